@@ -1,0 +1,203 @@
+/* linear_logp_cpu.c: reference CPU fused LM-head log-probs (forward) and its elementwise backward.
+ *
+ * Forward, per row n: z_v = hidden[n] . weight[v] + bias[v], s_v = z_v * inv_temperature,
+ *   lse = log sum_v exp(s_v),  logp = s_target - lse,  entropy = lse - sum_v p_v s_v.
+ * Backward (dlogits): d_z from saved lse / entropy, elementwise, see rl_kernels.h.
+ *
+ * Tile plan: OpenMP threads take blocks of up to ROW_BLOCK rows. A row block walks the vocabulary
+ * in blocks of VOCAB_BLOCK entries in increasing order; the logits of a rows x vocab block come from
+ * a single-threaded rlk_gemm_cpu call (B = weight^T), which reuses every packed weight panel for all
+ * rows of the block from cache. Each row then folds the block into its running softmax state
+ * (max, sum exp(s - max), sum exp(s - max) * (max - s)), all in fp32. The last sum keeps entropy
+ * free of cancellation: entropy = log(sum_exp) + sum_exp_gap / sum_exp, two non-negative terms.
+ *
+ * Why batch-invariant: z_v follows the GEMM's rule (fma over d = 0..D-1 from 0), which does not
+ * depend on the block a row lands in; the vocabulary blocks have a fixed size and are folded in
+ * increasing order, each in v order, so the reduction order depends on V only; rows never interact
+ * and threads only split rows. The logits also match a GEMM of the same operands with a fp32 bias
+ * bit for bit, so a backward that recomputes them sees exactly the forward's values.
+ *
+ * Build: gcc -O3 -std=c11 -fopenmp -ffp-contract=off -fPIC -shared -I csrc csrc/cpu/gemm_cpu.c \
+ *            csrc/cpu/linear_logp_cpu.c
+ * Test:  a ctypes driver comparing with torch in fp64, plus bitwise row-invariance checks.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "rl_kernels.h"
+#include "half_convert.h"
+
+enum {
+    ROW_BLOCK = 96,     /* the GEMM's macro tile height: one weight pass per 96 rows */
+    VOCAB_BLOCK = 1024, /* fixed, so the softmax folding order depends on V only */
+};
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static size_t dtype_size(rlk_dtype dtype) { return dtype == RLK_F32 ? 4 : 2; }
+
+static float load_f32(const void *src, rlk_dtype dtype, int64_t index)
+{
+    if (dtype == RLK_F32) return ((const float *)src)[index];
+    if (dtype == RLK_BF16) return rlk_bf16_to_f32(((const uint16_t *)src)[index]);
+    return rlk_f16_to_f32(((const uint16_t *)src)[index]);
+}
+
+static void store_f32(void *dst, rlk_dtype dtype, int64_t index, float value)
+{
+    if (dtype == RLK_F32) ((float *)dst)[index] = value;
+    else if (dtype == RLK_BF16) ((uint16_t *)dst)[index] = rlk_f32_to_bf16(value);
+    else ((uint16_t *)dst)[index] = rlk_f32_to_f16(value);
+}
+
+/* Running softmax of one row: sum_exp = sum_v exp(s_v - max), sum_exp_gap = sum_v exp(s_v - max) *
+ * (max - s_v). Entries with s = -inf have p = 0 and are skipped (their gap term would be 0 * inf). */
+typedef struct softmax_state {
+    float max, sum_exp, sum_exp_gap, s_target;
+    int saw_nan;
+} softmax_state;
+
+/* Folds s[0..n) into the state: the block is reduced in order, then merged by rescaling both
+ * sides to the larger max (shifting the reference by delta adds delta * sum_exp to the gap sum). */
+static void fold_block(softmax_state *st, const float *s, int64_t n)
+{
+    float block_max = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        if (s[j] > block_max) block_max = s[j];
+        else if (s[j] != s[j]) st->saw_nan = 1;
+    }
+    if (block_max == -INFINITY) return;
+    float sum_exp = 0.0f, sum_exp_gap = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        if (s[j] == -INFINITY) continue;
+        const float gap = block_max - s[j];
+        const float e = expf(-gap);
+        sum_exp += e;
+        sum_exp_gap += e * gap;
+    }
+    if (st->max == -INFINITY) {
+        st->max = block_max, st->sum_exp = sum_exp, st->sum_exp_gap = sum_exp_gap;
+        return;
+    }
+    const float new_max = block_max > st->max ? block_max : st->max;
+    const float shift_old = new_max - st->max, shift_block = new_max - block_max;
+    const float scale_old = expf(-shift_old), scale_block = expf(-shift_block);
+    st->sum_exp_gap = scale_old * (st->sum_exp_gap + shift_old * st->sum_exp) +
+                      scale_block * (sum_exp_gap + shift_block * sum_exp);
+    st->sum_exp = scale_old * st->sum_exp + scale_block * sum_exp;
+    st->max = new_max;
+}
+
+/* Rows [row0, row0 + rows) of the forward. work: logits (ROW_BLOCK * VOCAB_BLOCK) then bias
+ * (VOCAB_BLOCK) floats. Returns 1 if a row had an out-of-range target, RLK_CPU_OUT_OF_MEMORY if the
+ * GEMM's workspace could not be allocated, else 0. */
+static int forward_row_block(const rlk_linear_logp_args *args, int64_t row0, int64_t rows, float *work)
+{
+    float *logits = work, *bias = logits + ROW_BLOCK * VOCAB_BLOCK;
+    const size_t elem = dtype_size(args->dtype);
+    softmax_state state[ROW_BLOCK];
+    for (int64_t r = 0; r < rows; r++)
+        state[r] = (softmax_state){-INFINITY, 0.0f, 0.0f, NAN, 0};
+
+    for (int64_t v0 = 0; v0 < args->V; v0 += VOCAB_BLOCK) {
+        const int64_t vb = min64(VOCAB_BLOCK, args->V - v0);
+        const rlk_gemm_args gemm = {
+            .M = rows, .N = vb, .K = args->D, .in_dtype = args->dtype, .out_dtype = RLK_F32,
+            .a = (const char *)args->hidden + (size_t)(row0 * args->ldh) * elem, .lda = args->ldh,
+            .a_trans = 0,
+            .b = (const char *)args->weight + (size_t)(v0 * args->ldw) * elem, .ldb = args->ldw,
+            .b_trans = 1,
+            .c = NULL, .ldc = 0, .out = logits, .ldo = vb, .alpha = 1.0f, .beta = 0.0f,
+        };
+        const int status = rlk_gemm_cpu(&gemm, 1);
+        if (status != RLK_OK) return status;
+        for (int64_t j = 0; j < vb; j++) bias[j] = args->bias ? load_f32(args->bias, args->dtype, v0 + j) : 0.0f;
+
+        for (int64_t r = 0; r < rows; r++) {
+            float *s = logits + r * vb;
+            for (int64_t j = 0; j < vb; j++) s[j] = (s[j] + bias[j]) * args->inv_temperature;
+            fold_block(&state[r], s, vb);
+            const int64_t t = args->target[row0 + r] - v0;
+            if (t >= 0 && t < vb) state[r].s_target = s[t];
+        }
+    }
+
+    int bad_target = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t n = row0 + r, t = args->target[n];
+        float logp, entropy, lse;
+        if (t == args->ignore_index) {
+            logp = entropy = lse = 0.0f;
+        } else if (t < 0 || t >= args->V) {
+            logp = entropy = lse = NAN;
+            bad_target = 1;
+        } else if (state[r].saw_nan) {
+            logp = entropy = lse = NAN;
+        } else {
+            const softmax_state *st = &state[r];
+            const float log_sum_exp = logf(st->sum_exp);
+            lse = st->max + log_sum_exp;
+            logp = st->s_target - lse;
+            entropy = log_sum_exp + st->sum_exp_gap / st->sum_exp;
+        }
+        args->logp[n] = logp;
+        args->lse[n] = lse;
+        if (args->entropy) args->entropy[n] = entropy;
+    }
+    return bad_target;
+}
+
+int rlk_linear_logp_fwd_cpu(const rlk_linear_logp_args *args, int num_threads)
+{
+    const int threads = num_threads > 0 ? num_threads : 1;
+    /* The row block size only balances the threads; a row's result does not depend on it. */
+    const int64_t rows_per_thread = (args->N + threads - 1) / threads;
+    const int64_t row_block = min64(ROW_BLOCK, rows_per_thread);
+    const int64_t blocks = (args->N + row_block - 1) / row_block;
+    const size_t work_bytes = sizeof(float) * (ROW_BLOCK * VOCAB_BLOCK + VOCAB_BLOCK);
+    int bad_target = 0, out_of_memory = 0;
+
+#pragma omp parallel num_threads((int)min64(threads, blocks)) reduction(| : bad_target, out_of_memory)
+    {
+        float *work = malloc(work_bytes);
+        if (!work) out_of_memory = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!work) continue;
+            const int64_t row0 = b * row_block;
+            const int status = forward_row_block(args, row0, min64(row_block, args->N - row0), work);
+            if (status == RLK_CPU_OUT_OF_MEMORY) out_of_memory = 1;
+            else bad_target |= status;
+        }
+        free(work);
+    }
+    if (out_of_memory) return RLK_CPU_OUT_OF_MEMORY;
+    return bad_target ? RLK_BAD_TARGET : RLK_OK;
+}
+
+int rlk_linear_logp_dlogits_cpu(const rlk_linear_logp_dlogits_args *args, int num_threads)
+{
+    const float inv_t = args->inv_temperature;
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < args->rows; r++) {
+        const float *z = args->logits + r * args->ld_logits;
+        const int64_t out_row = r * args->ld_dlogits;
+        if (args->target[r] == args->ignore_index) {
+            for (int64_t c = 0; c < args->cols; c++) store_f32(args->dlogits, args->out_dtype, out_row + c, 0.0f);
+            continue;
+        }
+        const int64_t target_col = args->target[r] - args->v0;
+        const float g_logp = args->grad_logp ? args->grad_logp[r] : 0.0f;
+        const float g_ent = args->grad_entropy ? args->grad_entropy[r] : 0.0f;
+        const float entropy = args->grad_entropy ? args->entropy[r] : 0.0f;
+        const float lse = args->lse[r];
+        for (int64_t c = 0; c < args->cols; c++) {
+            const float s = z[c] * inv_t;
+            const float p = expf(s - lse);
+            const float one_hot = c == target_col ? 1.0f : 0.0f;
+            const float d_s = g_logp * (one_hot - p) - g_ent * p * (s - lse + entropy);
+            store_f32(args->dlogits, args->out_dtype, out_row + c, d_s * inv_t);
+        }
+    }
+    return RLK_OK;
+}

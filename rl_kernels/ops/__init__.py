@@ -1,0 +1,1 @@
+"""One module per op: public function -> torch.library op (fake + autograd) -> rl_kernels._C."""

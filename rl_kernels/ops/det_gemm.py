@@ -1,0 +1,44 @@
+"""det_gemm: the batch-invariant deterministic GEMM, forward and backward.
+
+det_gemm(a, b) = a @ b with fp32 accumulation, output in a's dtype or fp32. It is the
+``rl_kernels::gemm`` op (see ops/gemm.py) with alpha = 1, beta = 0, so it shares that op's
+kernels, autograd (dA = g @ B^T, dB = A^T @ g on the same backend) and torch.compile support.
+bf16/fp16 inputs are the tensor-core path; fp32 inputs run the fp32 path (CPU reference, or the
+FFMA SIMT kernel on CUDA -- never TF32). There is no fallback to cuBLAS: it would break invariance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gemm import _BackendModule, _check_dtypes, _prod, _run
+
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+             backend: str | None = None) -> torch.Tensor:
+    """a [..., M, K] @ b [K, N] -> [..., M, N]; b may be a transposed view of an nn.Linear
+    weight (``weight.t()``), used without a copy. out_dtype: None (a's dtype) or torch.float32."""
+    _check_dtypes("det_gemm", a=a, b=b)
+    if a.dtype not in _IN_DTYPES:
+        raise TypeError(f"det_gemm(): a has dtype {a.dtype}; expected bfloat16, float16 or float32")
+    if a.dim() < 2 or b.dim() != 2:
+        raise ValueError(f"det_gemm(): a must be [..., M, K] and b [K, N]; got {a.dim()}-D and "
+                         f"{b.dim()}-D")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(f"det_gemm(): a {tuple(a.shape)} and b {tuple(b.shape)} have different K")
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (a.dtype, torch.float32):
+        raise TypeError(f"det_gemm(): out_dtype must be None, {a.dtype} or torch.float32, "
+                        f"got {out_dtype}")
+    rows = a.reshape(_prod(a.shape[:-1]), a.shape[-1])
+    result = _run(rows, b, None, 1.0, 0.0, out_dtype, backend)
+    return result.reshape(*a.shape[:-1], b.shape[1])
+
+
+class DetGemmOp(_BackendModule):
+    op_class = "reduction"
+
+    def forward(self, a, b, out_dtype=None):
+        return det_gemm(a, b, out_dtype=out_dtype, backend=self.backend)

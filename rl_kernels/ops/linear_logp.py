@@ -1,0 +1,274 @@
+"""linear_logp: per-token log-prob (and entropy) of an LM head without materializing logits.
+
+    s = (hidden @ weight^T + bias) / temperature,  lse = logsumexp(s)
+    logp = s[target] - lse,  entropy = lse - sum_v p_v s_v       (p = softmax(s))
+
+Layers: public function -> torch.library ops ``rl_kernels::linear_logp`` and
+``rl_kernels::linear_logp_backward`` (fake impls + registered autograd) -> rl_kernels._C.
+
+Forward: one fused kernel per backend (C reference on CPU, tensor cores on CUDA) with an online
+softmax over a vocabulary order fixed by V; extra memory O(N).
+
+Backward (docs/operators/linear_logp.md has the math): the vocabulary is walked in chunks of
+VOCAB_CHUNK columns (a constant, so a row's dH sums the same chunks in the same order for every N)
+and the rows in chunks that fit WORKSPACE_BYTES. Per (vocab chunk, row chunk):
+    z   = H_rows @ W_chunk^T + b_chunk                 (rl_kernels GEMM, fp32 out)
+    dz  = d loss / d z                                  (_C.linear_logp_dlogits, input dtype)
+    dH_rows  += dz @ W_chunk                            (GEMM, fp32 accumulator)
+    dW_chunk += dz^T @ H_rows,  db_chunk += 1^T dz      (GEMM; fixed order over row chunks)
+Every product runs on rl_kernels' own batch-invariant GEMMs, so dH rows are batch-invariant and dW,
+db are deterministic (no atomics). Extra memory: WORKSPACE_BYTES + the fp32 dH accumulator
++ one fp32 [VOCAB_CHUNK, D] dW accumulator when the rows need more than one chunk.
+
+Out-of-range targets: the CPU path raises ValueError at once. The CUDA path must not synchronize,
+so its kernel writes NaN into that row and sets a flag in pinned host memory; the flag is read (no
+sync) at the start of the next linear_logp call or backward, which then raises ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernel_registry import resolve_backend
+from ._common import LIBRARY, _C, backend_and_stream, eager_direct
+from .gemm import _gemm_out_impl
+
+VOCAB_CHUNK = 4096
+WORKSPACE_BYTES = 128 << 20
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+LIBRARY.define(
+    "linear_logp(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, float temperature, "
+    "int ignore_index, str backend) -> (Tensor, Tensor, Tensor)")
+LIBRARY.define(
+    "linear_logp_backward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor lse, "
+    "Tensor entropy, Tensor? grad_logp, Tensor? grad_entropy, float temperature, "
+    "int ignore_index, str backend) -> (Tensor, Tensor, Tensor)")
+
+_bad_target_flags: dict[int, torch.Tensor] = {}
+
+
+def _bad_target_flag(device: torch.device) -> torch.Tensor:
+    """A pinned host int32 the CUDA kernel can store to (mapped memory, no sync)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _bad_target_flags:
+        _bad_target_flags[index] = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    return _bad_target_flags[index]
+
+
+def _raise_if_bad_target_seen():
+    for flag in _bad_target_flags.values():
+        if flag[0].item() != 0:
+            flag.zero_()
+            raise ValueError("target: an earlier linear_logp call on CUDA saw a target outside "
+                             "[0, V) that is not ignore_index; its rows hold NaN")
+
+
+def _backend_arg(backend):
+    return backend or "auto"
+
+
+def _forward_impl(hidden, weight, bias, target, temperature, ignore_index, backend):
+    _raise_if_bad_target_seen()
+    n = hidden.shape[0]
+    _, code, stream = backend_and_stream("linear_logp", hidden.device,
+                                         None if backend == "auto" else backend)
+    logp, entropy, lse = torch.empty(3, n, dtype=torch.float32, device=hidden.device).unbind(0)
+    workspace, flag_address = None, 0
+    if hidden.device.type == "cuda":
+        nbytes = _C.linear_logp_fwd_workspace_bytes(n, weight.shape[0])
+        workspace = torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=hidden.device)
+        flag_address = _bad_target_flag(hidden.device).data_ptr()
+    _C.linear_logp_fwd(hidden, weight, bias, target, logp, entropy, lse, workspace, flag_address,
+                       1.0 / temperature, ignore_index, code, stream)
+    return logp, entropy, lse
+
+
+def _row_chunk(n: int) -> int:
+    per_row = VOCAB_CHUNK * (4 + 4)  # fp32 logits + dz (at most fp32)
+    return max(1, min(n, WORKSPACE_BYTES // per_row))
+
+
+def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy,
+                   temperature, ignore_index, backend):
+    _raise_if_bad_target_seen()
+    n, d = hidden.shape
+    v = weight.shape[0]
+    device, dtype = hidden.device, hidden.dtype
+    _, _, stream = backend_and_stream("linear_logp", device, None if backend == "auto" else backend)
+    gemm_backend = resolve_backend("gemm", device, None if backend == "auto" else backend)
+    grad_hidden = torch.zeros(n, d, dtype=torch.float32, device=device)
+    grad_weight = torch.empty(v, d, dtype=dtype, device=device)
+    grad_bias = torch.empty(v if bias is not None else 0, dtype=dtype, device=device)
+    rows_per_chunk = _row_chunk(n)
+    one_row_chunk = rows_per_chunk >= n
+    logits_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=torch.float32, device=device)
+    dz_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=dtype, device=device)
+    ones = torch.ones(1, rows_per_chunk, dtype=dtype, device=device)
+    inv_t = 1.0 / temperature
+    for v0 in range(0, v, VOCAB_CHUNK):
+        v1 = min(v, v0 + VOCAB_CHUNK)
+        w_chunk = weight[v0:v1]
+        b_chunk = None if bias is None else bias[v0:v1].float()
+        if one_row_chunk:
+            dw_acc = None
+        else:
+            dw_acc = torch.zeros(v1 - v0, d, dtype=torch.float32, device=device)
+            db_acc = torch.zeros(1, v1 - v0, dtype=torch.float32, device=device)
+        for r0 in range(0, n, rows_per_chunk):
+            r1 = min(n, r0 + rows_per_chunk)
+            rows, cols = r1 - r0, v1 - v0
+            h_rows = hidden[r0:r1]
+            logits = logits_buf[: rows * cols].view(rows, cols)
+            _gemm_out_impl(h_rows, w_chunk.t(), b_chunk, 1.0, 1.0, gemm_backend,
+                           logits)
+            dz = dz_buf[: rows * cols].view(rows, cols)
+            _C.linear_logp_dlogits(
+                logits, target[r0:r1], lse[r0:r1], entropy[r0:r1],
+                None if grad_logp is None else grad_logp[r0:r1],
+                None if grad_entropy is None else grad_entropy[r0:r1],
+                dz, v0, inv_t, ignore_index, stream)
+            dh = grad_hidden[r0:r1]
+            _gemm_out_impl(dz, w_chunk, dh, 1.0, 1.0, gemm_backend, dh)
+            if dw_acc is None:
+                _gemm_out_impl(dz.t(), h_rows, None, 1.0, 0.0, gemm_backend, grad_weight[v0:v1])
+                if bias is not None:
+                    _gemm_out_impl(ones[:, :rows], dz, None, 1.0, 0.0, gemm_backend,
+                                   grad_bias[v0:v1].view(1, cols))
+            else:
+                _gemm_out_impl(dz.t(), h_rows, dw_acc, 1.0, 1.0, gemm_backend, dw_acc)
+                if bias is not None:
+                    _gemm_out_impl(ones[:, :rows], dz, db_acc, 1.0, 1.0, gemm_backend, db_acc)
+        if dw_acc is not None:
+            grad_weight[v0:v1].copy_(dw_acc)
+            if bias is not None:
+                grad_bias[v0:v1].copy_(db_acc.view(-1))
+    return grad_hidden.to(dtype), grad_weight, grad_bias
+
+
+for _key in ("CPU", "CUDA"):
+    LIBRARY.impl("linear_logp", _forward_impl, _key)
+    LIBRARY.impl("linear_logp_backward", _backward_impl, _key)
+
+
+@torch.library.register_fake("rl_kernels::linear_logp")
+def _forward_fake(hidden, weight, bias, target, temperature, ignore_index, backend):
+    n = hidden.shape[0]
+    return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.register_fake("rl_kernels::linear_logp_backward")
+def _backward_fake(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy,
+                   temperature, ignore_index, backend):
+    return (torch.empty_like(hidden), torch.empty_like(weight),
+            weight.new_empty(weight.shape[0] if bias is not None else 0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, temperature, ignore_index, backend = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, bias, target, lse, entropy)
+    ctx.temperature, ctx.ignore_index, ctx.backend = temperature, ignore_index, backend
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    hidden, weight, bias, target, lse, entropy = ctx.saved_tensors
+    grad_hidden, grad_weight, grad_bias = torch.ops.rl_kernels.linear_logp_backward(
+        hidden, weight, bias, target, lse, entropy,
+        None if grad_logp is None else grad_logp.float().contiguous(),
+        None if grad_entropy is None else grad_entropy.float().contiguous(),
+        ctx.temperature, ctx.ignore_index, ctx.backend)
+    return (grad_hidden if ctx.needs_input_grad[0] else None,
+            grad_weight if ctx.needs_input_grad[1] else None,
+            grad_bias if bias is not None and ctx.needs_input_grad[2] else None,
+            None, None, None, None)
+
+
+torch.library.register_autograd("rl_kernels::linear_logp", _backward,
+                                setup_context=_setup_context)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None, *, temperature: float = 1.0,
+                ignore_index: int = -100, return_entropy: bool = False,
+                backend: str | None = None):
+    """log_softmax((hidden @ weight^T + bias) / temperature)[target] in fp32, shaped like target;
+    with return_entropy, also the entropy of that distribution. hidden [..., D] (bf16, fp16 or
+    fp32), weight [V, D], bias [V] or None, target int64 [...]. Rows whose target is ignore_index
+    give logp = 0 and entropy = 0 and receive no gradient."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"linear_logp(): {name} must be a torch.Tensor")
+    if hidden.dtype not in _IN_DTYPES:
+        raise TypeError(f"linear_logp(): hidden has dtype {hidden.dtype}; expected bfloat16, "
+                        f"float16 or float32")
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(f"linear_logp(): weight and bias must have hidden's dtype {hidden.dtype}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"linear_logp(): target must be int64, got {target.dtype}")
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_logp(): hidden [..., D] and weight [V, D] disagree: "
+                         f"{tuple(hidden.shape)} vs {tuple(weight.shape)}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"linear_logp(): target shape {tuple(target.shape)} must equal hidden's "
+                         f"leading shape {tuple(hidden.shape[:-1])}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"linear_logp(): bias must have shape ({weight.shape[0]},)")
+    if weight.shape[0] == 0 or hidden.shape[-1] == 0:
+        raise ValueError("linear_logp(): V and D must be >= 1")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and temperature > 0):
+        raise ValueError(f"linear_logp(): temperature must be a finite number > 0, "
+                         f"got {temperature!r}")
+    h = _rows(hidden.reshape(-1, hidden.shape[-1]))
+    t = target.reshape(-1).contiguous()
+    w = _rows(weight)
+    b = None if bias is None else bias.contiguous()
+    args = (h, w, b, t, float(temperature), int(ignore_index), _backend_arg(backend))
+    if eager_direct(h, w, b):
+        logp, entropy, _ = _forward_impl(*args)
+    else:
+        logp, entropy, _ = torch.ops.rl_kernels.linear_logp(*args)
+    logp = logp.view(target.shape)
+    return (logp, entropy.view(target.shape)) if return_entropy else logp
+
+
+class LinearLogpOp(torch.nn.Module):
+    """linear_logp as a registry op bound to a backend choice."""
+
+    op_class = "reduction"
+
+    def __init__(self, backend: str | None = None):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, hidden, weight, target, bias=None, **kwargs):
+        return linear_logp(hidden, weight, target, bias, backend=self.backend, **kwargs)
+
+
+class LinearLogp(torch.nn.Module):
+    """An LM head [vocab_size, hidden_size] whose forward returns per-token log-probs of target
+    (and optionally the entropy) without materializing the logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False, *, device=None,
+                 dtype=None, backend: str | None = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size, device=device,
+                                                     dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(vocab_size, device=device, dtype=dtype)) \
+            if bias else None
+        self.backend = backend
+        torch.nn.init.normal_(self.weight, std=hidden_size ** -0.5)
+
+    def forward(self, hidden, target, *, temperature=1.0, ignore_index=-100,
+                return_entropy=False):
+        return linear_logp(hidden, self.weight, target, self.bias, temperature=temperature,
+                           ignore_index=ignore_index, return_entropy=return_entropy,
+                           backend=self.backend)
