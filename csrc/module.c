@@ -301,8 +301,9 @@ static int prepare_gemm(tensor_arg *a, tensor_arg *b, tensor_arg *c, tensor_arg 
     if (tensor_arg_check_writable(out) || tensor_arg_check_no_overlap(out, a) ||
         tensor_arg_check_no_overlap(out, b))
         return -1;
-    const int c_is_out = c->present && c->data == out->data && g->ldc == g->ldo &&
-                         call->c_batch_stride == call->out_batch_stride && c->ndim == out->ndim;
+    const int c_is_out = c->present && c->data == out->data && c->ndim == out->ndim &&
+                         (g->M == 1 || g->ldc == g->ldo) &&
+                         (call->batch == 1 || call->c_batch_stride == call->out_batch_stride);
     if (!c_is_out && tensor_arg_check_no_overlap(out, c)) return -1;
     uintptr_t lo, hi;
     if (tensor_arg_span(a, &lo, &hi) || tensor_arg_span(b, &lo, &hi) ||
@@ -326,7 +327,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOddiK:gemm", &a_obj, &b_obj, &c_obj, &out_obj, &alpha, &beta,
                           &backend, &stream))
         return NULL;
-    tensor_arg t[4]; /* a, b, c, out */
+    tensor_arg t[4] = {0}; /* a, b, c, out; zeroed so release is safe after a failed parse */
     gemm_call call;
     int ok = tensor_arg_parse(a_obj, "a", 0, &t[0]) == 0 &&
              tensor_arg_parse(b_obj, "b", 0, &t[1]) == 0 &&
@@ -429,7 +430,7 @@ static PyObject *py_linear_logp_fwd(PyObject *self, PyObject *args) {
     static const char *names[8] = {"hidden", "weight", "bias", "target",
                                    "logp", "entropy", "lse", "workspace"};
     static const int optional[8] = {0, 0, 1, 0, 0, 1, 0, 1};
-    tensor_arg t[8];
+    tensor_arg t[8] = {0};
     int parsed = 0, ok = 1;
     for (; parsed < 8 && ok; parsed++)
         ok = tensor_arg_parse(obj[parsed], names[parsed], optional[parsed], &t[parsed]) == 0;
@@ -512,7 +513,7 @@ static PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
     static const char *names[7] = {"logits", "target", "lse", "entropy",
                                    "grad_logp", "grad_entropy", "dlogits"};
     static const int optional[7] = {0, 0, 0, 1, 1, 1, 0};
-    tensor_arg t[7];
+    tensor_arg t[7] = {0};
     int parsed = 0, ok = 1;
     for (; parsed < 7 && ok; parsed++)
         ok = tensor_arg_parse(obj[parsed], names[parsed], optional[parsed], &t[parsed]) == 0;

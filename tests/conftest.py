@@ -35,8 +35,8 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def randn(*shape, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(device=device,
-                                                                                 dtype=dtype)
+    base = torch.float64 if dtype == torch.float64 else torch.float32
+    return (torch.randn(shape, generator=gen, dtype=base) * scale).to(device=device, dtype=dtype)
 
 
 # Relative error of a GEMM against fp64 of the same (rounded) inputs, by output dtype: fp32

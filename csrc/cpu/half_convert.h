@@ -58,7 +58,7 @@ static inline uint16_t rlk_f32_to_f16(float f)
     const uint32_t u = rlk_f32_bits(f);
     const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
     const uint32_t magnitude = u & 0x7fffffffu;
-    if (magnitude > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | (magnitude >> 13)); /* NaN */
+    if (magnitude > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu)); /* NaN */
     if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
     if (magnitude >= 0x38800000u) {
         /* normal fp16: rebias the exponent (127 -> 15), then round the 13 dropped bits to

@@ -8,8 +8,9 @@
  * in blocks of VOCAB_BLOCK entries in increasing order; the logits of a rows x vocab block come from
  * a single-threaded rlk_gemm_cpu call (B = weight^T), which reuses every packed weight panel for all
  * rows of the block from cache. Each row then folds the block into its running softmax state
- * (max, sum exp(s - max), sum exp(s - max) * (max - s)), all in fp32. The last sum keeps entropy
- * free of cancellation: entropy = log(sum_exp) + sum_exp_gap / sum_exp, two non-negative terms.
+ * (max, sum exp(s - max) - 1, sum exp(s - max) * (max - s)), all in fp32. Both sums have
+ * non-negative terms, so entropy = log1p(rest) + gap_sum / (1 + rest) has no cancellation and
+ * stays accurate (relative) for confident rows with tiny entropy.
  *
  * Why batch-invariant: z_v follows the GEMM's rule (fma over d = 0..D-1 from 0), which does not
  * depend on the block a row lands in; the vocabulary blocks have a fixed size and are folded in
@@ -50,42 +51,47 @@ static void store_f32(void *dst, rlk_dtype dtype, int64_t index, float value)
     else ((uint16_t *)dst)[index] = rlk_f32_to_f16(value);
 }
 
-/* Running softmax of one row: sum_exp = sum_v exp(s_v - max), sum_exp_gap = sum_v exp(s_v - max) *
- * (max - s_v). Entries with s = -inf have p = 0 and are skipped (their gap term would be 0 * inf). */
+/* Running softmax of one row, relative to its max (first arg max a): sum_exp_rest = sum_{v != a}
+ * exp(s_v - max), so sum_exp = 1 + sum_exp_rest keeps full precision when one entry dominates
+ * (entropy then needs log1p of a tiny value); sum_exp_gap = sum_v exp(s_v - max) * (max - s_v).
+ * Entries with s = -inf have p = 0 and are skipped (their gap term would be 0 * inf). */
 typedef struct softmax_state {
-    float max, sum_exp, sum_exp_gap, s_target;
+    float max, sum_exp_rest, sum_exp_gap, s_target;
     int saw_nan;
 } softmax_state;
 
-/* Folds s[0..n) into the state: the block is reduced in order, then merged by rescaling both
- * sides to the larger max (shifting the reference by delta adds delta * sum_exp to the gap sum). */
+/* Folds s[0..n) into the state: the block is reduced in v order, then the side with the smaller
+ * max is rescaled onto the larger one (moving the reference down by shift multiplies its terms by
+ * exp(-shift) and adds shift to each gap) and added; every sum has non-negative terms only. */
 static void fold_block(softmax_state *st, const float *s, int64_t n)
 {
     float block_max = -INFINITY;
+    int64_t arg_max = -1;
     for (int64_t j = 0; j < n; j++) {
-        if (s[j] > block_max) block_max = s[j];
+        if (s[j] > block_max) block_max = s[j], arg_max = j;
         else if (s[j] != s[j]) st->saw_nan = 1;
     }
-    if (block_max == -INFINITY) return;
-    float sum_exp = 0.0f, sum_exp_gap = 0.0f;
+    if (arg_max < 0) return;
+    float rest = 0.0f, gap_sum = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        if (s[j] == -INFINITY) continue;
+        if (j == arg_max || s[j] == -INFINITY) continue;
         const float gap = block_max - s[j];
         const float e = expf(-gap);
-        sum_exp += e;
-        sum_exp_gap += e * gap;
+        rest += e;
+        gap_sum += e * gap;
     }
     if (st->max == -INFINITY) {
-        st->max = block_max, st->sum_exp = sum_exp, st->sum_exp_gap = sum_exp_gap;
-        return;
+        st->max = block_max, st->sum_exp_rest = rest, st->sum_exp_gap = gap_sum;
+    } else if (block_max > st->max) {
+        const float shift = block_max - st->max, scale = expf(-shift);
+        st->sum_exp_gap = gap_sum + scale * (st->sum_exp_gap + shift * (1.0f + st->sum_exp_rest));
+        st->sum_exp_rest = rest + scale * (1.0f + st->sum_exp_rest);
+        st->max = block_max;
+    } else {
+        const float shift = st->max - block_max, scale = expf(-shift);
+        st->sum_exp_gap = st->sum_exp_gap + scale * (gap_sum + shift * (1.0f + rest));
+        st->sum_exp_rest = st->sum_exp_rest + scale * (1.0f + rest);
     }
-    const float new_max = block_max > st->max ? block_max : st->max;
-    const float shift_old = new_max - st->max, shift_block = new_max - block_max;
-    const float scale_old = expf(-shift_old), scale_block = expf(-shift_block);
-    st->sum_exp_gap = scale_old * (st->sum_exp_gap + shift_old * st->sum_exp) +
-                      scale_block * (sum_exp_gap + shift_block * sum_exp);
-    st->sum_exp = scale_old * st->sum_exp + scale_block * sum_exp;
-    st->max = new_max;
 }
 
 /* Rows [row0, row0 + rows) of the forward. work: logits (ROW_BLOCK * VOCAB_BLOCK) then bias
@@ -135,10 +141,10 @@ static int forward_row_block(const rlk_linear_logp_args *args, int64_t row0, int
             logp = entropy = lse = NAN;
         } else {
             const softmax_state *st = &state[r];
-            const float log_sum_exp = logf(st->sum_exp);
+            const float log_sum_exp = log1pf(st->sum_exp_rest);
             lse = st->max + log_sum_exp;
             logp = st->s_target - lse;
-            entropy = log_sum_exp + st->sum_exp_gap / st->sum_exp;
+            entropy = log_sum_exp + st->sum_exp_gap / (1.0f + st->sum_exp_rest);
         }
         args->logp[n] = logp;
         args->lse[n] = lse;

@@ -75,7 +75,8 @@ def _forward_impl(hidden, weight, bias, target, temperature, ignore_index, backe
     n = hidden.shape[0]
     _, code, stream = backend_and_stream("linear_logp", hidden.device,
                                          None if backend == "auto" else backend)
-    logp, entropy, lse = torch.empty(3, n, dtype=torch.float32, device=hidden.device).unbind(0)
+    logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device)
+                          for _ in range(3))
     workspace, flag_address = None, 0
     if hidden.device.type == "cuda":
         nbytes = _C.linear_logp_fwd_workspace_bytes(n, weight.shape[0])
@@ -223,8 +224,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
         raise ValueError(f"linear_logp(): bias must have shape ({weight.shape[0]},)")
     if weight.shape[0] == 0 or hidden.shape[-1] == 0:
         raise ValueError("linear_logp(): V and D must be >= 1")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-            and temperature > 0):
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < math.inf):  # NaN fails
         raise ValueError(f"linear_logp(): temperature must be a finite number > 0, "
                          f"got {temperature!r}")
     h = _rows(hidden.reshape(-1, hidden.shape[-1]))
