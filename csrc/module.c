@@ -107,6 +107,10 @@ static int raise_for_status(int status, const char *what) {
         PyErr_Format(PyExc_RuntimeError, "%s: no compiled kernel supports these arguments", what);
         return -1;
     }
+    if (status == RLK_CPU_OUT_OF_MEMORY) {
+        PyErr_Format(PyExc_MemoryError, "%s: the CPU kernel could not allocate its workspace", what);
+        return -1;
+    }
 #ifdef RLK_WITH_CUDA
     PyErr_Format(PyExc_RuntimeError, "%s: CUDA error: %s", what,
                  cudaGetErrorString((cudaError_t)status));

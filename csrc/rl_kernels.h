@@ -23,6 +23,8 @@ extern "C" {
 
 #define RLK_OK 0
 #define RLK_UNSUPPORTED (-1)
+/* CPU launchers: a per-thread workspace allocation failed (outputs incomplete). */
+#define RLK_CPU_OUT_OF_MEMORY (-2)
 
 typedef enum rlk_dtype {
     RLK_F32 = 0,
@@ -141,11 +143,6 @@ int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V);
 int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, void *workspace, void *stream);
 int rlk_linear_logp_dlogits_cuda(const rlk_linear_logp_dlogits_args *args, void *stream);
 
-
-/* ---- added for csrc/cpu (gemm_cpu.c, linear_logp_cpu.c) ----
- * Returned by the CPU launchers when a per-thread workspace allocation fails; outputs are then
- * incomplete. Negative so it cannot be mistaken for RLK_BAD_TARGET or a cudaError_t. */
-#define RLK_CPU_OUT_OF_MEMORY (-2)
 
 #ifdef __cplusplus
 }

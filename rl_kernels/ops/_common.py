@@ -11,26 +11,38 @@ from ..kernel_registry import BACKEND_CODES, resolve_backend
 LIBRARY = torch.library.Library("rl_kernels", "DEF")
 
 
+_resolved: dict = {}  # (op, device, backend) -> (name, code): routing never changes in a process
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def backend_and_stream(op: str, device: torch.device, backend: str | None) -> tuple[str, int, int]:
     """(backend name, backend code for _C, raw CUDA stream handle or 0 on CPU)."""
-    name = resolve_backend(op, device, backend)
+    key = (op, device, backend)
+    found = _resolved.get(key)
+    if found is None:
+        name = resolve_backend(op, device, backend)
+        found = _resolved[key] = (name, BACKEND_CODES[name])
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         # torch.cuda.current_stream().cuda_stream costs ~5 us; the raw getter well under 1 us.
-        return name, BACKEND_CODES[name], torch._C._cuda_getCurrentRawStream(index)
-    return name, BACKEND_CODES[name], 0
+        return found[0], found[1], _raw_stream(index)
+    return found[0], found[1], 0
 
 
-def eager_direct(*tensors) -> bool:
+def eager_direct(a, b, c=None, d=None) -> bool:
     """True when a call can skip the torch.library dispatcher: eager mode, plain tensors, and no
-    autograd graph to record. Otherwise the call goes through the registered op (compile, grad)."""
-    if torch.compiler.is_compiling():
+    autograd graph to record. Otherwise the call goes through the registered op (compile, grad).
+    Written out for two to four tensors: it runs on every call."""
+    if _is_compiling() or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
         return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
-            return False
-    return True
+    if (c is not None and type(c) is not torch.Tensor) or (d is not None and type(d) is not torch.Tensor):
+        return False
+    if not _grad_enabled():
+        return True
+    return not (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad)
+                or (d is not None and d.requires_grad))
 
 
 def is_gemm_operand(t: torch.Tensor) -> bool:

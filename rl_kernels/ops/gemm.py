@@ -47,7 +47,7 @@ def _out_shape(a, b):
 
 
 def _gemm_impl(a, b, c, alpha, beta, out_dtype, backend):
-    out = torch.empty(_out_shape(a, b), dtype=out_dtype, device=a.device)
+    out = a.new_empty(_out_shape(a, b), dtype=out_dtype)
     _launch(a, b, c, out, alpha, beta, backend)
     return out
 
@@ -204,9 +204,17 @@ def _matmul(a, b, out, backend, op="matmul"):
     return result if out is None else out.copy_(result)
 
 
+_FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
+
+
 def matmul(input: torch.Tensor, other: torch.Tensor, *, out: torch.Tensor | None = None,
            backend: str | None = None) -> torch.Tensor:
     """torch.matmul semantics (1-D, 2-D, batched and broadcast inputs), batch-invariant rows."""
+    if (out is None and input.dim() == 2 and other.dim() == 2 and input.dtype is other.dtype
+            and input.dtype in _FLOAT_DTYPE_SET and input.shape[1] == other.shape[0]
+            and eager_direct(input, other)):
+        # the common case, kept short: host time per call is what small decode GEMMs pay
+        return _gemm_impl(input, other, None, 1.0, 0.0, input.dtype, backend or "auto")
     return _matmul(input, other, out, backend)
 
 

@@ -1,0 +1,145 @@
+"""linear_logp (each usable GPU backend) vs the torch materializing path, bf16 hidden and weight.
+
+    torch: log_softmax(F.linear(h, W).float()).gather(target)   (logits [N, V] materialized)
+Shapes: N in {1024, 4096, 16384} x (D, V) in {(2048, 32768), (2048, 131072), (4096, 151936),
+(5120, 151936)}. Per shape: forward ms, forward + backward ms, peak extra memory (beyond inputs and
+gradients), max abs error of logp vs fp64 (on 256 rows), and the cuBLAS time of the same N x D x V
+GEMM measured here (targets: fwd <= 1.1x, fwd+bwd <= 1.15 x 3x that GEMM).
+
+Writes benchmarks/results/<gpu>-linear-logp.json and a table in docs/benchmarks.md.
+Usage: python3 benchmarks/bench_linear_logp.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rl_kernels  # noqa: E402
+from rl_kernels import kernel_registry  # noqa: E402
+from common import cuda_median_ms, header, record, write_results  # noqa: E402
+
+SHAPES = [(2048, 32768), (2048, 131072), (4096, 151936), (5120, 151936)]
+NS = [1024, 4096, 16384]
+
+
+def torch_logp(h, w, t):
+    logits = torch.nn.functional.linear(h, w).float()
+    return torch.log_softmax(logits, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+
+
+def fp64_logp(h, w, t, rows=256):
+    logits = h[:rows].double() @ w.double().t()
+    return torch.log_softmax(logits, -1).gather(-1, t[:rows].unsqueeze(-1)).squeeze(-1)
+
+
+def peak_extra_mb(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del result
+    return peak / 2**20
+
+
+def bench(n, d, v, backends, reps):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(n, d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, d, device="cuda", generator=gen) * d ** -0.5).to(torch.bfloat16) \
+        .requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    g = torch.randn(n, device="cuda", generator=gen)
+    hd, wd = h.detach(), w.detach()
+    gemm_ms = cuda_median_ms(lambda: torch.matmul(hd, wd.t()), [()], reps=reps)
+    shape = {"N": n, "D": d, "V": v, "gemm_ms": gemm_ms}
+    ref = fp64_logp(hd, wd, t)
+    h.grad = w.grad = torch.zeros_like(h), torch.zeros_like(w)  # gradients exist before timing
+
+    def fwd_torch():
+        with torch.no_grad():
+            return torch_logp(hd, wd, t)
+
+    def fb(fn):
+        def run():
+            out = fn(h, w, t)
+            grads = torch.autograd.grad(out, (h, w), g)
+            return out, grads
+        return run
+
+    rows = []
+    err = (fwd_torch()[:256].double() - ref).abs().max().item()
+    ms = cuda_median_ms(fwd_torch, [()], reps=reps)
+    rows.append(record("linear_logp", "torch", torch.bfloat16, shape, "fwd", ms, "cublas_gemm",
+                       gemm_ms, None, peak_extra_mb(fwd_torch), err))
+    try:
+        ms = cuda_median_ms(fb(torch_logp), [()], reps=reps)
+        rows.append(record("linear_logp", "torch", torch.bfloat16, shape, "fwdbwd", ms,
+                           "cublas_gemm", gemm_ms, None, peak_extra_mb(fb(torch_logp)), None))
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        print(f"torch fwd+bwd out of memory at N={n} D={d} V={v}")
+    for backend in backends:
+        def ours(hh, ww, tt, backend=backend):
+            return rl_kernels.linear_logp(hh, ww, tt, backend=backend)
+
+        def fwd_ours():
+            with torch.no_grad():
+                return ours(hd, wd, t)
+
+        err = (fwd_ours()[:256].double() - ref).abs().max().item()
+        ms = cuda_median_ms(fwd_ours, [()], reps=reps)
+        rows.append(record("linear_logp", backend, torch.bfloat16, shape, "fwd", ms,
+                           "cublas_gemm", gemm_ms, None, peak_extra_mb(fwd_ours), err))
+        ms = cuda_median_ms(fb(ours), [()], reps=max(3, reps // 2))
+        rows.append(record("linear_logp", backend, torch.bfloat16, shape, "fwdbwd", ms,
+                           "cublas_gemm", gemm_ms, None, peak_extra_mb(fb(ours)), None))
+    del h, w
+    torch.cuda.empty_cache()
+    return rows
+
+
+def table(records):
+    lines = ["| N | D | V | pass | impl | ms | cuBLAS GEMM ms | ms / GEMM | target | extra MB | "
+             "max abs err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        s = r["shape"]
+        target = "<= 1.10" if r["pass"] == "fwd" else "<= 3.45"
+        err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
+        lines.append(f"| {s['N']} | {s['D']} | {s['V']} | {r['pass']} | {r['backend']} | "
+                     f"{r['ms']:.3f} | {s['gemm_ms']:.3f} | {r['ms'] / s['gemm_ms']:.2f} | "
+                     f"{target} | {r['extra_mem_mb']:.0f} | {err} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="N = 4096 only")
+    args = parser.parse_args()
+    backends = [b for b in ("sm90", "sm80")
+                if kernel_registry.backend_status("linear_logp", b)[0]]
+    if not backends:
+        sys.exit("no usable GPU backend for linear_logp")
+    records = []
+    for n in ([4096] if args.quick else NS):
+        for d, v in SHAPES:
+            rows = bench(n, d, v, backends, reps=5 if n >= 16384 else 10)
+            records += rows
+            print(f"N={n} D={d} V={v}: " + " | ".join(
+                f"{r['backend']} {r['pass']} {r['ms']:.2f} ms ({r['ms'] / r['shape']['gemm_ms']:.2f}"
+                f"x GEMM, {r['extra_mem_mb']:.0f} MB)" for r in rows), flush=True)
+    notes = ("ms / GEMM is the time over the cuBLAS time of the same N x D x V bf16 GEMM, measured "
+             "in the same process. Targets: forward <= 1.10, forward + backward <= 3.45. extra MB: "
+             "peak memory allocated beyond inputs and existing gradients.\n\n")
+    write_results("linear-logp", records, header("linear_logp vs torch materializing") + notes
+                  + table(records) + "\n")
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Shared benchmark plumbing: CUDA-event timing with rotation, the result-record format, and
+writing JSON (benchmarks/results/) plus a markdown table (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS_TABLE = ROOT / "docs" / "benchmarks.md"
+L2_BYTES = 50 << 20  # H100: 50 MB
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("RL_KERNELS_COMMIT", "unknown")
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def device_slug() -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
+
+
+def record(op, backend, dtype, shape, pass_, ms, baseline, baseline_ms, tflops=None,
+           extra_mem_mb=None, max_abs_err=None):
+    """One result in the shared format (fields that do not apply are None)."""
+    return {"op": op, "backend": backend, "dtype": str(dtype).replace("torch.", ""),
+            "shape": shape, "pass": pass_, "ms": ms, "baseline": baseline,
+            "baseline_ms": baseline_ms,
+            "ratio": (baseline_ms / ms) if (ms and baseline_ms) else None,
+            "tflops": tflops, "extra_mem_mb": extra_mem_mb, "max_abs_err": max_abs_err,
+            "gpu": device_name(), "torch": torch.__version__, "commit": commit()}
+
+
+def copies_to_rotate(bytes_per_set: int) -> int:
+    """Input sets needed so that rotating among them does not measure the L2 cache."""
+    return max(1, min(8, -(-3 * L2_BYTES // max(1, bytes_per_set))))
+
+
+def cuda_median_ms(fn, sets, warmup=3, reps=20) -> float:
+    """Median of per-call CUDA-event times, cycling through the argument sets."""
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*sets[i % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cpu_median_s(fn, reps=5, warmup=1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def write_results(name: str, records: list[dict], table_md: str) -> Path:
+    """Writes benchmarks/results/<gpu>-<name>.json and replaces this benchmark's section of
+    docs/benchmarks.md."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    slug = device_slug()
+    path = RESULTS / f"{slug}-{name}.json"
+    path.write_text(json.dumps(records, indent=1))
+    begin, end = f"<!-- begin {slug}-{name} -->", f"<!-- end {slug}-{name} -->"
+    text = DOCS_TABLE.read_text() if DOCS_TABLE.exists() else "# Benchmarks\n\n"
+    section = f"{begin}\n{table_md.rstrip()}\n{end}"
+    if begin in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    DOCS_TABLE.parent.mkdir(parents=True, exist_ok=True)
+    DOCS_TABLE.write_text(text)
+    return path
+
+
+def header(title: str) -> str:
+    return (f"## {title}\n\n{device_name()}, torch {torch.__version__}, commit {commit()}, "
+            f"{time.strftime('%Y-%m-%d')}.\n\n")

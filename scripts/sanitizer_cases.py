@@ -1,0 +1,37 @@
+"""Small GPU problems that touch every kernel once (all GEMM backends and layouts, tails, the fp32
+path, linear_logp forward, dlogits and backward): run under compute-sanitizer by gpu_check.sh."""
+
+import torch
+
+import rl_kernels
+from rl_kernels import kernel_registry
+
+
+def main():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, generator=gen, device="cuda").to(dtype)
+
+    backends = [b for b in ("sm90", "sm80") if kernel_registry.backend_status("det_gemm", b)[0]]
+    for backend in backends:
+        for m, k, n in ((1, 64, 72), (70, 136, 200), (130, 33, 17), (64, 0, 8)):
+            a, w = randn(m, k), randn(n, k)
+            rl_kernels.det_gemm(a, w.t(), backend=backend)
+            rl_kernels.det_gemm(a, w.t().contiguous(), out_dtype=torch.float32, backend=backend)
+            rl_kernels.matmul(a.t().contiguous().t(), w.t(), backend=backend)
+            rl_kernels.addmm(randn(n), a, w.t(), beta=0.5, backend=backend)
+    rl_kernels.matmul(randn(33, 45, dtype=torch.float32), randn(45, 19, dtype=torch.float32))
+    if kernel_registry.backend_status("linear_logp", "sm80")[0]:
+        h = randn(37, 72).requires_grad_()
+        w = randn(5003, 72).requires_grad_()
+        t = torch.randint(0, 5003, (37,), device="cuda", generator=gen)
+        t[3] = -100
+        logp, ent = rl_kernels.linear_logp(h, w, t, temperature=0.7, return_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+    torch.cuda.synchronize()
+    print("sanitizer cases done")
+
+
+if __name__ == "__main__":
+    main()

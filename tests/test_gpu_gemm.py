@@ -1,0 +1,211 @@
+"""GPU GEMM backends (sm90, sm80): bitwise batch invariance over the M sweep and Qwen3-8B shapes,
+chunked prefill, padding, repeats, tile/CTA placement, backward, accuracy vs fp64, odd shapes,
+NaN/Inf, CUDA-graph capture. Run by scripts/gpu_check.sh; skipped without CUDA."""
+
+import pytest
+import torch
+
+import rl_kernels
+from rl_kernels import kernel_registry
+from conftest import HAS_CUDA, QWEN3_8B_SHAPES, rel_err
+
+pytestmark = pytest.mark.gpu
+
+M_SWEEP = [1, 2, 3, 7, 8, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 1024, 4096]
+
+
+def _usable(backend):
+    return HAS_CUDA and kernel_registry.backend_status("det_gemm", backend)[0]
+
+
+GPU_BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not _usable(b), reason=f"{b} not usable"))
+                for b in ("sm90", "sm80")]
+
+
+def cuda_randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def activations():
+    return cuda_randn(4096, 12288, seed=1)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("k,n", QWEN3_8B_SHAPES)
+def test_rows_bitwise_invariant_over_m_sweep(backend, k, n, activations):
+    a = activations[:, :k]
+    w = cuda_randn(n, k, seed=2, scale=k ** -0.5)
+    full = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    for m in M_SWEEP:
+        part = rl_kernels.det_gemm(a[:m], w.t(), backend=backend)
+        assert torch.equal(part, full[:m]), f"{backend} K={k} N={n}: prefix M={m} differs"
+    for i in (0, 1, 63, 64, 127, 1000, 4095):  # a row alone at positions across tiles
+        assert torch.equal(rl_kernels.det_gemm(a[i:i + 1], w.t(), backend=backend), full[i:i + 1])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_chunked_prefill_padding_repeats_and_tile_placement(backend, activations):
+    a = activations[:2048, :4096]
+    w = cuda_randn(6144, 4096, seed=3, scale=1 / 64)
+    full = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    for cuts in ([1], [17, 500], [128, 256, 1000, 2047], [333, 1024, 1500]):
+        bounds = [0, *cuts, 2048]
+        parts = [rl_kernels.det_gemm(a[s:e], w.t(), backend=backend) for s, e in zip(bounds, bounds[1:])]
+        assert torch.equal(torch.cat(parts), full), f"chunks {cuts}"
+    pad = cuda_randn(100, 4096, seed=4, scale=1e3)
+    padded = rl_kernels.det_gemm(torch.cat([a, pad]), w.t(), backend=backend)
+    assert torch.equal(padded[:2048], full)
+    # rows shifted by an offset land in other tiles, other CTAs and another schedule order
+    for shift in (1, 37, 64, 127, 300):
+        shifted = rl_kernels.det_gemm(torch.cat([pad[:shift], a]), w.t(), backend=backend)
+        assert torch.equal(shifted[shift:], full), f"shift {shift}"
+    for _ in range(10):
+        assert torch.equal(rl_kernels.det_gemm(a, w.t(), backend=backend), full)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    side.synchronize()
+    assert torch.equal(on_side, full)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("m,k,n", [(1000, 4096, 4096), (129, 4096, 151936), (4096, 12288, 1024)])
+def test_accuracy_vs_fp64(backend, m, k, n, activations):
+    a = activations[:m, :k]
+    w = cuda_randn(n, k, seed=5, scale=k ** -0.5)
+    ref = a.double() @ w.double().t()
+    out32 = rl_kernels.det_gemm(a, w.t(), out_dtype=torch.float32, backend=backend)
+    assert rel_err(out32, ref) <= 1e-5
+    out16 = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    correct = ref.to(torch.bfloat16)
+    ulps = (out16.view(torch.int16).int() - correct.view(torch.int16).int()).abs()
+    within = ((ulps <= 1) | (out16 == correct)).float().mean().item()
+    assert within >= 0.999, f"only {within:.5f} within one bf16 ulp"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("m,k,n", [(1, 4095, 151937), (3, 17, 5), (130, 4104, 1000),
+                                   (257, 8, 4097), (64, 0, 64)])
+def test_odd_shapes(backend, m, k, n):
+    a = cuda_randn(m, k, seed=6)
+    w = cuda_randn(n, k, seed=7, scale=max(k, 1) ** -0.5)
+    out = rl_kernels.det_gemm(a, w.t(), out_dtype=torch.float32, backend=backend)
+    ref = a.double() @ w.double().t()
+    if k == 0:
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert rel_err(out, ref) <= 1e-5
+        full = rl_kernels.det_gemm(torch.cat([a, a]), w.t(), out_dtype=torch.float32, backend=backend)
+        assert torch.equal(full[m:], out)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_layouts_and_misaligned_operands(backend):
+    a = cuda_randn(300, 1024, seed=8)
+    w = cuda_randn(512, 1024, seed=9, scale=1 / 32)
+    ref = rl_kernels.det_gemm(a, w.t(), out_dtype=torch.float32, backend=backend)
+    b_row_major = w.t().contiguous()  # [K, N] row-major
+    assert rel_err(rl_kernels.det_gemm(a, b_row_major, out_dtype=torch.float32, backend=backend),
+                   ref) <= 1e-6
+    a_transposed = a.t().contiguous().t()
+    assert rel_err(rl_kernels.det_gemm(a_transposed, w.t(), out_dtype=torch.float32,
+                                       backend=backend), ref) <= 1e-6
+    wide = cuda_randn(300, 1025, seed=8)
+    wide[:, 1:] = a
+    shifted = wide[:, 1:]  # base off 16-byte alignment, odd row stride
+    out = rl_kernels.det_gemm(shifted, w.t(), out_dtype=torch.float32, backend=backend)
+    if backend == "sm80":  # same kernel, predicated loads: the same bits
+        assert torch.equal(out, ref)
+    else:  # an odd row stride is beyond TMA: the sm80 kernel serves it, for every M alike
+        assert rel_err(out, ref) <= 1e-6
+        assert torch.equal(rl_kernels.det_gemm(shifted[9:10], w.t(), out_dtype=torch.float32,
+                                               backend=backend), out[9:10])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_nan_inf_propagate(backend):
+    a = cuda_randn(64, 256, seed=10)
+    w = cuda_randn(128, 256, seed=11)
+    a[3, 7] = float("nan")
+    a[5, 0] = float("inf")
+    w[9, 4] = float("-inf")
+    out = rl_kernels.det_gemm(a, w.t(), out_dtype=torch.float32, backend=backend)
+    ref = a.double() @ w.double().t()
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_backward_invariance_determinism_and_accuracy(backend, activations):
+    k, n = 4096, 1024
+    a = activations[:1024, :k].clone().requires_grad_()
+    w = cuda_randn(n, k, seed=12, scale=1 / 64).requires_grad_()
+    g = cuda_randn(1024, n, seed=13)
+    rl_kernels.det_gemm(a, w.t(), backend=backend).backward(g)
+    da, dw = a.grad.clone(), w.grad.clone()
+    for _ in range(3):
+        a.grad = w.grad = None
+        rl_kernels.det_gemm(a, w.t(), backend=backend).backward(g)
+        assert torch.equal(a.grad, da) and torch.equal(w.grad, dw)
+    for m in (1, 17, 129, 1000):
+        part = a.detach()[:m].clone().requires_grad_()
+        rl_kernels.det_gemm(part, w.detach().t(), backend=backend).backward(g[:m])
+        assert torch.equal(part.grad, da[:m]), f"dA rows differ at M={m}"
+    assert rel_err(da, g.double() @ w.double()) <= 8e-3
+    assert rel_err(dw, g.double().t() @ a.double()) <= 8e-3
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_epilogue_api_on_gpu(backend):
+    a = cuda_randn(100, 512, seed=14)
+    w = cuda_randn(300, 512, seed=15, scale=1 / 16)
+    bias = cuda_randn(300, seed=16)
+    c = cuda_randn(100, 300, seed=17)
+    ref = 0.5 * bias.double() + 2.0 * (a.double() @ w.double().t())
+    assert rel_err(rl_kernels.addmm(bias, a, w.t(), beta=0.5, alpha=2.0, backend=backend),
+                   ref) <= 8e-3
+    ref = -1.0 * c.double() + 0.25 * (a.double() @ w.double().t())
+    assert rel_err(rl_kernels.gemm(0.25, a, w.t(), -1.0, c, backend=backend), ref) <= 8e-3
+    full = rl_kernels.addmm(bias, a, w.t(), backend=backend)
+    assert torch.equal(rl_kernels.addmm(bias, a[7:8], w.t(), backend=backend), full[7:8])
+
+
+def test_fp32_inputs_use_exact_fp32_path():
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    a = cuda_randn(333, 700, dtype=torch.float32, seed=18)
+    b = cuda_randn(700, 250, dtype=torch.float32, seed=19)
+    out = rl_kernels.matmul(a, b)
+    assert rel_err(out, a.double() @ b.double()) <= 1e-6  # TF32 would give ~1e-4
+    assert torch.equal(rl_kernels.matmul(a[5:6], b), out[5:6])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_cuda_graph_capture(backend):
+    a = cuda_randn(256, 1024, seed=20)
+    w = cuda_randn(512, 1024, seed=21)
+    expected = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        rl_kernels.det_gemm(a, w.t(), backend=backend)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    a.copy_(cuda_randn(256, 1024, seed=22))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, rl_kernels.det_gemm(a, w.t(), backend=backend))
+    assert not torch.equal(captured, expected)
+
+
+def test_compile_on_gpu():
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    x = cuda_randn(64, 256, seed=23)
+    w = cuda_randn(128, 256, seed=24)
+    compiled = torch.compile(lambda x, w: rl_kernels.det_gemm(x, w.t()).float().softmax(-1),
+                             fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(x, w), rl_kernels.det_gemm(x, w.t()).float().softmax(-1))

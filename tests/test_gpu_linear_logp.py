@@ -1,0 +1,129 @@
+"""linear_logp on CUDA: accuracy vs fp64 at full Qwen3-8B head size, bitwise row invariance,
+deterministic backward, memory, bad targets without a host sync. Skipped without CUDA."""
+
+import pytest
+import torch
+
+import rl_kernels
+from rl_kernels import kernel_registry
+from conftest import HAS_CUDA, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (HAS_CUDA and kernel_registry.backend_status("linear_logp", "sm80")[0]),
+    reason="no usable GPU linear_logp backend")]
+
+
+def cuda_randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def problem(n, d, v, seed=0, bias=False):
+    h = cuda_randn(n, d, seed=seed)
+    w = cuda_randn(v, d, seed=seed + 1, scale=d ** -0.5 * 2)
+    b = cuda_randn(v, seed=seed + 2) if bias else None
+    gen = torch.Generator(device="cuda").manual_seed(seed + 3)
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    return h, w, b, t
+
+
+def fp64_reference(h, w, t, b=None, temperature=1.0, rows=None):
+    rows = slice(None) if rows is None else rows
+    return rl_kernels.NativeLinearLogpOp(torch.float64)(
+        h[rows], w, t[rows], b, temperature=temperature, return_entropy=True)
+
+
+@pytest.mark.parametrize("n,d,v,bias,temperature", [
+    (1, 64, 1000, False, 1.0), (37, 100, 5003, True, 0.7), (1024, 2048, 32768, False, 1.0),
+    (4096, 4096, 151936, False, 1.0)])
+def test_accuracy_vs_fp64(n, d, v, bias, temperature):
+    h, w, b, t = problem(n, d, v, bias=bias)
+    logp, ent = rl_kernels.linear_logp(h, w, t, b, temperature=temperature, return_entropy=True)
+    rows = slice(0, min(n, 512))
+    ref_logp, ref_ent = fp64_reference(h, w, t, b, temperature, rows)
+    assert (logp[rows].double() - ref_logp).abs().max() <= 1e-4
+    assert (ent[rows].double() - ref_ent).abs().max() <= 1e-4
+
+
+def test_rows_bitwise_invariant_at_qwen3_head():
+    h, w, _, t = problem(4096, 4096, 151936, seed=10)
+    full, full_ent = rl_kernels.linear_logp(h, w, t, return_entropy=True)
+    for m in (1, 3, 17, 129, 1000):
+        logp, ent = rl_kernels.linear_logp(h[:m], w, t[:m], return_entropy=True)
+        assert torch.equal(logp, full[:m]) and torch.equal(ent, full_ent[:m]), f"N={m}"
+    shifted = rl_kernels.linear_logp(torch.cat([h[:37], h]), w, torch.cat([t[:37], t]))
+    assert torch.equal(shifted[37:], full)
+    for _ in range(5):
+        assert torch.equal(rl_kernels.linear_logp(h, w, t), full)
+
+
+def test_ignore_index_and_bad_target_flag_without_sync():
+    h, w, _, t = problem(64, 128, 3000, seed=20)
+    t[5] = -100
+    logp, ent = rl_kernels.linear_logp(h, w, t, return_entropy=True)
+    assert logp[5] == 0 and ent[5] == 0
+    bad = t.clone()
+    bad[9] = 3000
+    out = rl_kernels.linear_logp(h, w, bad)  # returns at once; the row is NaN
+    torch.cuda.synchronize()
+    assert torch.isnan(out[9]) and torch.equal(out[torch.arange(64) != 9],
+                                               logp[torch.arange(64) != 9])
+    with pytest.raises(ValueError, match="target: an earlier linear_logp call"):
+        rl_kernels.linear_logp(h, w, t)
+    assert torch.equal(rl_kernels.linear_logp(h, w, t), logp)  # the flag was cleared
+
+
+def test_backward_vs_fp64_and_deterministic():
+    h, w, b, t = problem(300, 256, 9000, seed=30, bias=True)
+    t[7] = -100
+    g_logp = cuda_randn(300, dtype=torch.float32, seed=31)
+    g_ent = cuda_randn(300, dtype=torch.float32, seed=32)
+
+    def grads(hh, ww, bb, fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (hh, ww, bb)]
+        logp, ent = fn(leaves[0], leaves[1], t, leaves[2], return_entropy=True)
+        torch.autograd.backward((logp, ent), (g_logp.to(logp.dtype), g_ent.to(ent.dtype)))
+        return [x.grad for x in leaves]
+
+    got = grads(h, w, b, rl_kernels.linear_logp)
+    want = grads(h.double(), w.double(), b.double(), rl_kernels.NativeLinearLogpOp(torch.float64))
+    for name, x, ref in zip(("hidden", "weight", "bias"), got, want):
+        assert rel_err(x, ref) <= 1.5e-2, name
+    again = grads(h, w, b, rl_kernels.linear_logp)
+    for x, y in zip(got, again):
+        assert torch.equal(x, y)
+
+
+def test_grad_hidden_rows_invariant():
+    h, w, _, t = problem(1000, 512, 20000, seed=40)
+    g = cuda_randn(1000, dtype=torch.float32, seed=41)
+
+    def grad_hidden(rows):
+        x = h[rows].clone().requires_grad_()
+        logp = rl_kernels.linear_logp(x, w, t[rows])
+        (grad,) = torch.autograd.grad(logp, x, g[rows])
+        return grad
+
+    full = grad_hidden(slice(0, 1000))
+    for rows in (slice(0, 1), slice(0, 17), slice(500, 629)):
+        assert torch.equal(grad_hidden(rows), full[rows])
+
+
+def test_memory_stays_small_at_qwen3_head():
+    h, w, _, t = problem(4096, 4096, 151936, seed=50)
+    h.requires_grad_()
+    w.requires_grad_()
+    logp = rl_kernels.linear_logp(h, w, t)
+    torch.cuda.synchronize()
+    g = torch.ones_like(logp)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        rl_kernels.linear_logp(h, w, t)
+    fwd_extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+    assert fwd_extra <= 64, f"forward used {fwd_extra:.0f} MB extra"  # O(N), no [N, V] logits
+    grads_mb = (h.numel() + w.numel()) * 2 / 2**20
+    torch.cuda.reset_peak_memory_stats()
+    torch.autograd.grad(logp, (h, w), g)
+    bwd_extra = (torch.cuda.max_memory_allocated() - base) / 2**20 - grads_mb
+    assert bwd_extra <= 256, f"backward used {bwd_extra:.0f} MB beyond the gradients"
