@@ -210,6 +210,9 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     if hidden.dtype not in _IN_DTYPES:
         raise TypeError(f"linear_logp(): hidden has dtype {hidden.dtype}; expected bfloat16, "
                         f"float16 or float32")
+    if hidden.dtype == torch.float32 and hidden.device.type == "cuda":
+        raise TypeError("linear_logp(): float32 hidden/weight are not supported on CUDA yet (the "
+                        "fused kernel takes bfloat16/float16); use those, or CPU tensors")
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(f"linear_logp(): weight and bias must have hidden's dtype {hidden.dtype}")
     if target.dtype != torch.int64:
