@@ -37,13 +37,15 @@ def fp64_logp(h, w, t, rows=256):
     return torch.log_softmax(logits, -1).gather(-1, t[:rows].unsqueeze(-1)).squeeze(-1)
 
 
-def peak_extra_mb(fn):
+def peak_extra_mb(fn, minus_bytes=0):
+    """Peak memory fn allocates beyond what exists before it, less minus_bytes (the gradients
+    it returns, for forward + backward)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     result = fn()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base - minus_bytes
     del result
     return peak / 2**20
 
@@ -56,10 +58,10 @@ def bench(n, d, v, backends, reps):
     t = torch.randint(0, v, (n,), device="cuda", generator=gen)
     g = torch.randn(n, device="cuda", generator=gen)
     hd, wd = h.detach(), w.detach()
+    grad_bytes = (h.numel() + w.numel()) * h.element_size()
     gemm_ms = cuda_median_ms(lambda: torch.matmul(hd, wd.t()), [()], reps=reps)
     shape = {"N": n, "D": d, "V": v, "gemm_ms": gemm_ms}
     ref = fp64_logp(hd, wd, t)
-    h.grad = w.grad = torch.zeros_like(h), torch.zeros_like(w)  # gradients exist before timing
 
     def fwd_torch():
         with torch.no_grad():
@@ -80,7 +82,8 @@ def bench(n, d, v, backends, reps):
     try:
         ms = cuda_median_ms(fb(torch_logp), [()], reps=reps)
         rows.append(record("linear_logp", "torch", torch.bfloat16, shape, "fwdbwd", ms,
-                           "cublas_gemm", gemm_ms, None, peak_extra_mb(fb(torch_logp)), None))
+                           "cublas_gemm", gemm_ms, None,
+                           peak_extra_mb(fb(torch_logp), grad_bytes), None))
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         print(f"torch fwd+bwd out of memory at N={n} D={d} V={v}")
@@ -98,7 +101,7 @@ def bench(n, d, v, backends, reps):
                            "cublas_gemm", gemm_ms, None, peak_extra_mb(fwd_ours), err))
         ms = cuda_median_ms(fb(ours), [()], reps=max(3, reps // 2))
         rows.append(record("linear_logp", backend, torch.bfloat16, shape, "fwdbwd", ms,
-                           "cublas_gemm", gemm_ms, None, peak_extra_mb(fb(ours)), None))
+                           "cublas_gemm", gemm_ms, None, peak_extra_mb(fb(ours), grad_bytes), None))
     del h, w
     torch.cuda.empty_cache()
     return rows

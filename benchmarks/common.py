@@ -20,11 +20,13 @@ L2_BYTES = 50 << 20  # H100: 50 MB
 
 
 def commit() -> str:
+    if os.environ.get("RL_KERNELS_COMMIT"):  # set by whoever copied the tree without .git
+        return os.environ["RL_KERNELS_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                               capture_output=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("RL_KERNELS_COMMIT", "unknown")
+        return "unknown"
 
 
 def device_name() -> str:
@@ -52,19 +54,24 @@ def copies_to_rotate(bytes_per_set: int) -> int:
 
 
 def cuda_median_ms(fn, sets, warmup=3, reps=20) -> float:
-    """Median of per-call CUDA-event times, cycling through the argument sets."""
+    """Median of per-call GPU times (CUDA events), cycling through the argument sets. A sleep
+    kernel is queued first so the host enqueues every call while the GPU is busy: the events then
+    time the kernels, not the host's launch gaps (host cost per call: bench_host_overhead.py)."""
     for i in range(warmup):
         fn(*sets[i % len(sets)])
     torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    torch.cuda._sleep(SLEEP_CYCLES_PER_CALL * reps)
+    for i, (start, end) in enumerate(events):
         start.record()
         fn(*sets[i % len(sets)])
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us at 2 GHz: more than the host needs to enqueue a call
 
 
 def cpu_median_s(fn, reps=5, warmup=1) -> float:
