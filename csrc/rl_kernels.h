@@ -143,6 +143,10 @@ int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V);
 int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, void *workspace, void *stream);
 int rlk_linear_logp_dlogits_cuda(const rlk_linear_logp_dlogits_args *args, void *stream);
 
+/* csrc/cuda/gemm_sm90.cu: the same forward on wgmma; bf16/fp16, D*2 bytes a multiple of 16,
+ * 16-byte aligned hidden/weight (else RLK_UNSUPPORTED); workspace as for the sm80 kernel. */
+int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *workspace, void *stream);
+
 
 #ifdef __cplusplus
 }

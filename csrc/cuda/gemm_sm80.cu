@@ -1,0 +1,416 @@
+/* gemm_sm80.cu: batch-invariant bf16/fp16 GEMM for sm_80+ (also runs on H100 through sm_90 SASS).
+ *
+ *   out[i, j] = alpha * sum_k A[i, k] * B[k, j] + beta * C[i, j]   (see rl_kernels.h for addressing)
+ *
+ * Tile plan (one plan for every problem): CTA tile BM x BN x BK = 128 x 128 x 32, 8 warps as
+ * 2 (M) x 4 (N), warp tile 64 x 32 = 4 x 4 mma.sync.m16n8k16 (bf16/fp16 in, fp32 accumulate).
+ * Operands go global -> shared with 16-byte cp.async in a 4-stage pipeline; each operand is kept in
+ * shared memory in its global orientation (the contiguous global dimension is contiguous in shared
+ * memory), rows padded by 16 bytes so ldmatrix (.trans for the M- or N-contiguous layouts) is free
+ * of bank conflicts. Operands whose base or row stride is not 16-byte aligned take a predicated
+ * element-wise load path (template flag VEC_LOADS = 0) inside the same kernel: only the loads
+ * differ, the shared-memory image and the mma sequence are identical, so results are bitwise equal.
+ * The epilogue stages the fp32 tile through shared memory and writes 8 consecutive outputs per
+ * thread (16-byte stores where aligned), forming alpha * acc + beta * c in fp32, rounded once.
+ * The grid is 1-D over output tiles, rastered in groups of 8 M-tiles so that neighbouring CTAs
+ * share B and A tiles in L2 (no 65535 grid.y limit, N = 151936 is 1187 tiles).
+ *
+ * Batch invariance: the tile plan never depends on M; there is no split-K. Every output element
+ * is accumulated over k-tiles 0, 1, ..., ceil(K / BK) - 1 and, inside a k-tile, over its two k16
+ * mma steps in order, with zero fill past K (which depends on K only). The mma sequence is the same
+ * for every row, every position inside the tile and every CTA, so a row's bits do not depend on M,
+ * on its position in the batch or on the alignment of the operands.
+ *
+ * Build (shared library for tests):
+ *   nvcc -shared -Xcompiler -fPIC -O3 -std=c++17 -lineinfo -Xptxas -v \
+ *     -gencode arch=compute_80,code=sm_80 -gencode arch=compute_80,code=compute_80 \
+ *     -gencode arch=compute_90,code=sm_90 csrc/cuda/gemm_sm80.cu -o libgemm_sm80.so
+ * Test: .scratch/sm80/test_gemm.py (fp64 reference, layouts, odd shapes, bitwise row invariance,
+ * aligned vs predicated loads, timings against torch.matmul).
+ */
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "../rl_kernels.h"
+
+#define GEMM_SM80_GROUP_M 8 /* M-tiles per raster group (L2 reuse of the B tiles) */
+
+/* ----------------------------------------------------------------------------------------------
+ * PTX wrappers
+ * -------------------------------------------------------------------------------------------- */
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void *gmem, int src_bytes) {
+    /* copies src_bytes (0..16) and zero-fills the rest of the 16-byte chunk */
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
+                 "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <int TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t smem_addr) {
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_addr));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_addr));
+}
+
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2],
+                                          __nv_bfloat16 /* dtype tag */) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2],
+                                          __half /* dtype tag */) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Output element conversions (c and out have out_dtype: fp32, bf16 or fp16)
+ * -------------------------------------------------------------------------------------------- */
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+__device__ __forceinline__ void from_f32(float *p, float v) { *p = v; }
+__device__ __forceinline__ void from_f32(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void from_f32(__half *p, float v) { *p = __float2half_rn(v); }
+
+/* 8 consecutive elements <-> 8 floats with 16-byte accesses; p must be 16-byte aligned */
+__device__ __forceinline__ void load8_vec(const float *p, float v[8]) {
+    float4 x = *(const float4 *)p, y = *(const float4 *)(p + 4);
+    v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w; v[4] = y.x; v[5] = y.y; v[6] = y.z; v[7] = y.w;
+}
+template <typename T>
+__device__ __forceinline__ void load8_vec(const T *p, float v[8]) {
+    uint4 x = *(const uint4 *)p;
+    const T *e = (const T *)&x;
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = to_f32(e[i]);
+}
+__device__ __forceinline__ void store8_vec(float *p, const float v[8]) {
+    *(float4 *)p = make_float4(v[0], v[1], v[2], v[3]);
+    *(float4 *)(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <typename T>
+__device__ __forceinline__ void store8_vec(T *p, const float v[8]) {
+    uint4 x;
+    T *e = (T *)&x;
+#pragma unroll
+    for (int i = 0; i < 8; i++) from_f32(&e[i], v[i]);
+    *(uint4 *)p = x;
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Global -> shared tile copy. The tile is ROWS x COLS elements of a row-major global matrix
+ * (COLS along the contiguous dimension) starting at g; rows_in x cols_in of them are in range,
+ * the rest is zero-filled. Shared rows have stride COLS + 8 elements (16-byte pad).
+ * VEC_LOADS: 16-byte cp.async (base 16-byte aligned, ld % 8 == 0); otherwise element-wise
+ * predicated loads that build the same 16-byte chunks and store them to shared memory.
+ * -------------------------------------------------------------------------------------------- */
+template <typename T, int ROWS, int COLS, int THREADS, int VEC_LOADS>
+__device__ __forceinline__ void load_tile(T *smem_tile, const T *g, int64_t ld, int rows_in,
+                                          int cols_in, int tid) {
+    constexpr int CHUNKS_PER_ROW = COLS / 8;
+    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    static_assert(CHUNKS % THREADS == 0, "tile chunks must divide evenly over the threads");
+    if (VEC_LOADS) {
+        /* chunk i of this thread: row r0 + i * ROWS_PER_PASS, column c. The global row step is
+         * made opaque so that the compiler recomputes the addresses per k-tile instead of
+         * keeping one 64-bit offset per chunk live across the main loop (which spills). */
+        constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
+        static_assert(THREADS % CHUNKS_PER_ROW == 0, "a thread keeps one column of chunks");
+        const int r0 = tid / CHUNKS_PER_ROW, c = (tid % CHUNKS_PER_ROW) * 8;
+        int64_t step = ROWS_PER_PASS * ld;
+        asm volatile("" : "+l"(step));
+        const T *src = g + r0 * ld + c;
+        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem_tile + r0 * (COLS + 8) + c);
+#pragma unroll
+        for (int i = 0; i < CHUNKS / THREADS; i++, src += step) {
+            const int valid = r0 + i * ROWS_PER_PASS < rows_in ? cols_in - c : 0;
+            const int bytes = valid <= 0 ? 0 : (valid >= 8 ? 16 : valid * 2);
+            cp_async_16(dst + 2 * i * ROWS_PER_PASS * (COLS + 8), bytes ? src : g, bytes);
+        }
+    } else {
+        /* one chunk at a time: unrolled, the 8 element loads per chunk would spill */
+#pragma unroll 1
+        for (int i = 0; i < CHUNKS / THREADS; i++) {
+            const int chunk = tid + i * THREADS;
+            const int r = chunk / CHUNKS_PER_ROW, c = (chunk % CHUNKS_PER_ROW) * 8;
+            const int valid = r < rows_in ? cols_in - c : 0;
+            const unsigned short *src = (const unsigned short *)(g + r * ld + c);
+            uint32_t w[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                const uint32_t lo = e < valid ? __ldg(src + e) : 0;
+                const uint32_t hi = e + 1 < valid ? __ldg(src + e + 1) : 0;
+                w[e / 2] = lo | (hi << 16);
+            }
+            *(uint4 *)(smem_tile + r * (COLS + 8) + c) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * The kernel. T: bf16 or fp16 inputs; OutT: out/c type; A_TRANS/B_TRANS: operand layouts.
+ * A tile in shared memory: [BM][BK] (A_TRANS = 0) or [BK][BM] (A_TRANS = 1);
+ * B tile: [BN][BK] (B_TRANS = 1) or [BK][BN] (B_TRANS = 0); each row padded by 8 elements.
+ * -------------------------------------------------------------------------------------------- */
+template <int BM, int BK, int A_TRANS>
+__host__ __device__ constexpr int a_stage_elems(void) {
+    return A_TRANS ? BK * (BM + 8) : BM * (BK + 8);
+}
+template <int BN, int BK, int B_TRANS>
+__host__ __device__ constexpr int b_stage_elems(void) {
+    return B_TRANS ? BN * (BK + 8) : BK * (BN + 8);
+}
+
+template <typename T, typename OutT, int A_TRANS, int B_TRANS, int VEC_LOADS, int BM, int BN, int BK,
+          int WARPS_M, int WARPS_N, int STAGES>
+/* 128 x 128 tiles run 2 CTAs per SM on the 16-byte path; the element-wise path keeps 32 loads in
+ * flight and gets the whole register file instead (it is the slow path either way). */
+__global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, (BM * BN >= 128 * 256 || !VEC_LOADS) ? 1 : 2)
+    gemm_sm80_kernel(int64_t M, int64_t N, int64_t K, const T *__restrict__ a, int64_t lda,
+                     const T *__restrict__ b, int64_t ldb, const OutT *__restrict__ c, int64_t ldc,
+                     OutT *__restrict__ out, int64_t ldo, float alpha, float beta) {
+    constexpr int THREADS = WARPS_M * WARPS_N * 32;
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N; /* warp tile */
+    constexpr int MI = WM / 16, NI = WN / 8;             /* mma tiles per warp */
+    static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "bad tile plan");
+    constexpr int A_STAGE = a_stage_elems<BM, BK, A_TRANS>();
+    constexpr int B_STAGE = b_stage_elems<BN, BK, B_TRANS>();
+    constexpr int A_LD = A_TRANS ? BM + 8 : BK + 8; /* shared row strides in elements */
+    constexpr int B_LD = B_TRANS ? BK + 8 : BN + 8;
+    constexpr int C_LD = BN + 4; /* fp32 epilogue staging stride */
+
+    extern __shared__ uint4 smem_raw[];
+    T *As = (T *)smem_raw;
+    T *Bs = As + STAGES * A_STAGE;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+
+    /* grouped raster: GROUP_M consecutive M-tiles walk the N-tiles together */
+    const int64_t num_m_tiles = (M + BM - 1) / BM, num_n_tiles = (N + BN - 1) / BN;
+    const int64_t pid = blockIdx.x;
+    const int64_t tiles_per_group = (int64_t)GEMM_SM80_GROUP_M * num_n_tiles;
+    const int64_t first_m = (pid / tiles_per_group) * GEMM_SM80_GROUP_M;
+    const int64_t group_rows = min((int64_t)GEMM_SM80_GROUP_M, num_m_tiles - first_m);
+    const int64_t tile_m = first_m + (pid % tiles_per_group) % group_rows;
+    const int64_t tile_n = (pid % tiles_per_group) / group_rows;
+    const int64_t m0 = tile_m * BM, n0 = tile_n * BN;
+
+    /* k-tiles are loaded in order; k_next is the k offset of the next one */
+    const int m_in = (int)min((int64_t)BM, M - m0), n_in = (int)min((int64_t)BN, N - n0);
+    const T *a_tile = a + (A_TRANS ? m0 : m0 * lda); /* tile origins at k = 0 */
+    const T *b_tile = b + (B_TRANS ? n0 * ldb : n0);
+    int64_t k_next = 0;
+    auto load_next_a = [&](int stage) {
+        const int k_in = (int)min((int64_t)BK, K - k_next);
+        if (A_TRANS)
+            load_tile<T, BK, BM, THREADS, VEC_LOADS>(As + stage * A_STAGE, a_tile + k_next * lda, lda, k_in, m_in, tid);
+        else
+            load_tile<T, BM, BK, THREADS, VEC_LOADS>(As + stage * A_STAGE, a_tile + k_next, lda, m_in, k_in, tid);
+    };
+    auto load_next_b = [&](int stage) { /* after load_next_a: moves on to the next k-tile */
+        const int k_in = (int)min((int64_t)BK, K - k_next);
+        if (B_TRANS)
+            load_tile<T, BN, BK, THREADS, VEC_LOADS>(Bs + stage * B_STAGE, b_tile + k_next, ldb, n_in, k_in, tid);
+        else
+            load_tile<T, BK, BN, THREADS, VEC_LOADS>(Bs + stage * B_STAGE, b_tile + k_next * ldb, ldb, k_in, n_in, tid);
+        k_next += BK;
+    };
+
+    /* per-lane ldmatrix offsets (elements, within a stage, for k16 step 0 and mma tile 0).
+     * x4 matrix j = lane / 8 supplies row lane % 8. A fragment order: (m0-7,k0-7), (m8-15,k0-7),
+     * (m0-7,k8-15), (m8-15,k8-15); B fragment pair order: (n0-7,k0-7), (n0-7,k8-15), (n8-15,k0-7),
+     * (n8-15,k8-15). */
+    const int j = lane / 8, r8 = lane % 8;
+    const int wm0 = warp_m * WM, wn0 = warp_n * WN;
+    const int a_lane_off = A_TRANS ? (r8 + (j / 2) * 8) * A_LD + wm0 + (j % 2) * 8
+                                   : (wm0 + r8 + (j % 2) * 8) * A_LD + (j / 2) * 8;
+    const int b_lane_off = B_TRANS ? (wn0 + r8 + (j / 2) * 8) * B_LD + (j % 2) * 8
+                                   : (r8 + (j % 2) * 8) * B_LD + wn0 + (j / 2) * 8;
+    /* element steps between mma tiles and between k16 steps */
+    constexpr int A_MI_STEP = A_TRANS ? 16 : 16 * A_LD, A_K_STEP = A_TRANS ? 16 * A_LD : 16;
+    constexpr int B_NJ_STEP = B_TRANS ? 16 * B_LD : 16, B_K_STEP = B_TRANS ? 16 : 16 * B_LD;
+    const uint32_t as_base = (uint32_t)__cvta_generic_to_shared(As) + 2 * a_lane_off; /* bytes */
+    const uint32_t bs_base = (uint32_t)__cvta_generic_to_shared(Bs) + 2 * b_lane_off;
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mi][ni][e] = 0.0f;
+
+    const int num_k_tiles = (int)((K + BK - 1) / BK);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < num_k_tiles) {
+            load_next_a(s);
+            load_next_b(s);
+        }
+        cp_async_commit();
+    }
+
+    /* mma order for every output element: k-tiles 0, 1, ... and k16 steps 0 .. BK/16 - 1 */
+    for (int kt = 0; kt < num_k_tiles; kt++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads(); /* stage kt % STAGES landed; stage (kt - 1) % STAGES is free */
+        if (kt + STAGES - 1 < num_k_tiles) {
+            load_next_a((kt + STAGES - 1) % STAGES);
+            load_next_b((kt + STAGES - 1) % STAGES);
+        }
+        cp_async_commit();
+
+        const int stage = kt % STAGES;
+        const uint32_t as_stage = as_base + 2 * stage * A_STAGE;
+        const uint32_t bs_stage = bs_base + 2 * stage * B_STAGE;
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ks++) {
+            uint32_t af[MI][4], bf[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+                ldmatrix_x4<A_TRANS>(af[mi], as_stage + 2 * (mi * A_MI_STEP + ks * A_K_STEP));
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; nj++) { /* one x4 load covers two n8 mma tiles */
+                uint32_t r[4];
+                ldmatrix_x4<!B_TRANS>(r, bs_stage + 2 * (nj * B_NJ_STEP + ks * B_K_STEP));
+                bf[2 * nj][0] = r[0]; bf[2 * nj][1] = r[1];
+                bf[2 * nj + 1][0] = r[2]; bf[2 * nj + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) mma_16816(acc[mi][ni], af[mi], bf[ni], T());
+        }
+    }
+
+    /* epilogue: stage the fp32 tile in shared memory, then 8 consecutive outputs per thread */
+    cp_async_wait<0>();
+    __syncthreads();
+    float *Cs = (float *)smem_raw;
+    const int g = lane / 4, t4 = lane % 4;
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++) {
+            const int row = wm0 + mi * 16 + g, col = wn0 + ni * 8 + 2 * t4;
+            *(float2 *)&Cs[row * C_LD + col] = make_float2(acc[mi][ni][0], acc[mi][ni][1]);
+            *(float2 *)&Cs[(row + 8) * C_LD + col] = make_float2(acc[mi][ni][2], acc[mi][ni][3]);
+        }
+    __syncthreads();
+
+    constexpr int GROUPS_PER_ROW = BN / 8;
+#pragma unroll 2
+    for (int idx = tid; idx < BM * GROUPS_PER_ROW; idx += THREADS) {
+        const int r = idx / GROUPS_PER_ROW, col = (idx % GROUPS_PER_ROW) * 8;
+        const int64_t gi = m0 + r, gj = n0 + col;
+        if (gi >= M || gj >= N) continue;
+        const int64_t valid = N - gj; /* columns of this group in range */
+        float v[8];
+        load8_vec(&Cs[r * C_LD + col], v);
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] *= alpha;
+        if (c) {
+            const OutT *crow = c + gi * ldc + gj; /* ldc == 0: bias row broadcast */
+            float cv[8];
+            if (valid >= 8 && ((uintptr_t)crow % 16) == 0) {
+                load8_vec(crow, cv);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) cv[e] = e < valid ? to_f32(crow[e]) : 0.0f;
+            }
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = fmaf(beta, cv[e], v[e]);
+        }
+        OutT *orow = out + gi * ldo + gj;
+        if (valid >= 8 && ((uintptr_t)orow % 16) == 0) {
+            store8_vec(orow, v);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (e < valid) from_f32(&orow[e], v[e]);
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Host side: dispatch on dtypes, layouts and load path (pointer/stride alignment: the results are
+ * identical on both paths, so this choice cannot break invariance).
+ * -------------------------------------------------------------------------------------------- */
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, typename T, typename OutT,
+          int A_TRANS, int B_TRANS, int VEC_LOADS>
+static int launch_gemm_sm80_kernel(const rlk_gemm_args *p, cudaStream_t stream) {
+    constexpr int pipe_bytes =
+        STAGES * 2 * (a_stage_elems<BM, BK, A_TRANS>() + b_stage_elems<BN, BK, B_TRANS>());
+    constexpr int epi_bytes = BM * (BN + 4) * 4;
+    constexpr int smem_bytes = pipe_bytes > epi_bytes ? pipe_bytes : epi_bytes;
+    auto kernel = gemm_sm80_kernel<T, OutT, A_TRANS, B_TRANS, VEC_LOADS, BM, BN, BK, WARPS_M, WARPS_N,
+                                   STAGES>;
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return (int)err;
+    const int64_t tiles = ((p->M + BM - 1) / BM) * ((p->N + BN - 1) / BN);
+    if (tiles > 0x7fffffff) return (int)cudaErrorInvalidConfiguration;
+    kernel<<<(unsigned)tiles, WARPS_M * WARPS_N * 32, smem_bytes, stream>>>(
+        p->M, p->N, p->K, (const T *)p->a, p->lda, (const T *)p->b, p->ldb, (const OutT *)p->c,
+        p->ldc, (OutT *)p->out, p->ldo, p->alpha, p->beta);
+    return (int)cudaGetLastError();
+}
+
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, typename T, typename OutT>
+static int launch_gemm_sm80_layout(const rlk_gemm_args *p, cudaStream_t stream) {
+    const int vec = ((uintptr_t)p->a % 16 == 0) && (p->lda % 8 == 0) &&
+                    ((uintptr_t)p->b % 16 == 0) && (p->ldb % 8 == 0);
+    const int sel = (p->a_trans ? 4 : 0) + (p->b_trans ? 2 : 0) + vec;
+#define GEMM_SM80_CASE(AT, BT, V) \
+    case AT * 4 + BT * 2 + V:     \
+        return launch_gemm_sm80_kernel<BM, BN, BK, WARPS_M, WARPS_N, STAGES, T, OutT, AT, BT, V>(p, stream);
+    switch (sel) {
+        GEMM_SM80_CASE(0, 0, 0) GEMM_SM80_CASE(0, 0, 1) GEMM_SM80_CASE(0, 1, 0) GEMM_SM80_CASE(0, 1, 1)
+        GEMM_SM80_CASE(1, 0, 0) GEMM_SM80_CASE(1, 0, 1) GEMM_SM80_CASE(1, 1, 0) GEMM_SM80_CASE(1, 1, 1)
+    }
+#undef GEMM_SM80_CASE
+    return RLK_UNSUPPORTED;
+}
+
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES>
+static int launch_gemm_sm80(const rlk_gemm_args *p, cudaStream_t stream) {
+    if (p->in_dtype == RLK_BF16) {
+        if (p->out_dtype == RLK_BF16)
+            return launch_gemm_sm80_layout<BM, BN, BK, WARPS_M, WARPS_N, STAGES, __nv_bfloat16, __nv_bfloat16>(p, stream);
+        if (p->out_dtype == RLK_F32)
+            return launch_gemm_sm80_layout<BM, BN, BK, WARPS_M, WARPS_N, STAGES, __nv_bfloat16, float>(p, stream);
+    } else if (p->in_dtype == RLK_F16) {
+        if (p->out_dtype == RLK_F16)
+            return launch_gemm_sm80_layout<BM, BN, BK, WARPS_M, WARPS_N, STAGES, __half, __half>(p, stream);
+        if (p->out_dtype == RLK_F32)
+            return launch_gemm_sm80_layout<BM, BN, BK, WARPS_M, WARPS_N, STAGES, __half, float>(p, stream);
+    }
+    return RLK_UNSUPPORTED;
+}
+
+extern "C" int rlk_gemm_sm80(const rlk_gemm_args *args, void *stream) {
+    return launch_gemm_sm80<128, 256, 64, 2, 4, 3>(args, (cudaStream_t)stream);
+}

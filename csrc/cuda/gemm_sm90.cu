@@ -1,0 +1,985 @@
+/* gemm_sm90.cu: Hopper (sm_90a) batch-invariant GEMM, out = alpha * A @ B + beta * C (see rl_kernels.h).
+ *
+ * Tile plan. A persistent grid (one CTA per SM) walks output tiles of BM x BN in a grouped order that
+ * keeps a band of A rows and B columns hot in L2. Inside a CTA, warpgroup 0 is the producer: one thread
+ * issues TMA loads (cp.async.bulk.tensor, 128-byte swizzle, zero fill out of bounds) of BK = 64 wide
+ * k-slices of A and B into a ring of STAGES shared-memory buffers that complete on mbarriers. Each
+ * consumer warpgroup owns 64 rows of the tile and multiplies them with wgmma.m64nBNk16 (fp32
+ * accumulators in registers, both operands read from shared memory through descriptors; the
+ * descriptors' transpose bits cover K-major and MN-major A and B), then applies alpha * acc + beta * C
+ * in fp32 from registers and stores with row/column predicates.
+ *   large config: BM = 128 (2 consumer warpgroups, setmaxnreg 232/40), BN = 256, 4 stages, clusters of
+ *     2 CTAs on vertically adjacent tiles, each CTA loading half of the shared B tile multicast to both.
+ *   medium config: the same with BN = 128, 6 stages.
+ *   small config: BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster: M <= 64 (decode),
+ *     and otherwise whichever config a waves x cycles-per-tile estimate finds fastest.
+ *
+ * Batch invariance. Every output element is produced by the same instruction sequence whatever the
+ * config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
+ * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
+ * filled by TMA, adding exact zeros), then one fused alpha/beta epilogue with explicit __fmaf_rn /
+ * __fmul_rn. The wgmma N width (256 or 64) and the row offset inside the tile do not change an
+ * element's arithmetic; .scratch/sm90/test_sm90.py checks this bitwise on the GPU (rows r0..r0+m of
+ * a[:m] @ b equal the same rows of the M = 4096 product, m = 1, 3, 17, 64, 129, 512, 1000, r0 = 0, 77,
+ * which exercises all three configs). No split-K, no atomics.
+ *
+ * Limits (-> RLK_UNSUPPORTED, the caller falls back to sm80): in/out dtypes other than bf16/fp16 in
+ * and in-dtype/fp32 out; A or B base address not 16-byte aligned or row stride not a multiple of 16
+ * bytes (TMA descriptor rules); N or K >= 2^31. C and out may have any alignment and stride.
+ *
+ * Build: nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Xptxas -v
+ *        -shared -Xcompiler -fPIC gemm_sm90.cu -o libgemm_sm90.so   (driver: .scratch/sm90/test_sm90.py)
+ */
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../rl_kernels.h"
+
+#define BK 64                 /* k-slice per stage: 64 16-bit elements = one 128-byte swizzle row */
+#define GROUP_M 16            /* tile order: bands of GROUP_M row tiles sweep all column tiles in turn */
+#define SMEM_ALIGN 1024       /* 128-byte swizzle atoms repeat every 8 rows x 128 bytes */
+#define LOGP_SPLIT_COLS 1024  /* linear_logp: vocabulary columns per split (one partial state per row) */
+#ifndef LOGP_CHAINS
+#define LOGP_CHAINS 2           /* mma_tile mode of the linear_logp kernels */
+#endif
+#define LOGP_EMPTY_MAX (-1e30f) /* max of an empty softmax state: finite so that (m - m') * 0 stays 0 */
+
+typedef struct gemm_sm90_params {
+    int M, N, k_tiles;
+    int m_tiles;
+    int n_units;                              /* column work units: a column tile, or a LOGP split */
+    int col_tiles;                            /* column tiles in all */
+    uint32_t a_box_bytes;                     /* bytes one stage's A loads bring (box rows may be < BM) */
+    const void *c;
+    int64_t ldc;
+    void *out;
+    int64_t ldo;
+    float alpha, beta;
+    int c_pairs_aligned, out_pairs_aligned;  /* 2-element vector access allowed for C / out */
+} gemm_sm90_params;
+
+/* linear_logp mode: the product is hidden [N, D] @ weight[V, D]^T (M = N rows, N = V columns, K = D). */
+typedef struct logp_sm90_params {
+    const void *bias;       /* [V] in the input dtype, or NULL */
+    const int64_t *target;  /* [N] */
+    float4 *partials;       /* [split][row] {m, l, S, x_target}, see fold_logits_tile */
+    float scale_log2;       /* inv_temperature * log2(e) */
+} logp_sm90_params;
+
+/* ------------------------------------ PTX wrappers ------------------------------------------ */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+/* Spin until the phase with the given parity has completed. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+/* Same box, written at the same shared-memory offset of every CTA in cta_mask (and counted on each CTA's
+ * mbarrier at the same offset). */
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int inner, int outer,
+                                                      uint32_t bar, uint16_t cta_mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;"
+                 ::"r"(dst), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(bar), "h"(cta_mask) : "memory");
+}
+
+/* Arrive on the mbarrier at the same shared-memory offset in CTA cta_rank of this cluster. Default
+ * (CTA-scope) semantics: the reads being released were wgmma's, already complete at wgmma.wait_group;
+ * a .release.cluster arrive compiles to MEMBAR.ALL.GPU and halved the throughput (perf-notes v2). */
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta_rank) {
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n"
+                 ::"r"(bar), "r"(cta_rank) : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+/* 2-D TMA load of one box into shared memory; completion is counted on the mbarrier in bytes. */
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int inner, int outer,
+                                            uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(dst), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(bar) : "memory");
+}
+
+/* wgmma shared-memory matrix descriptor for a 128-byte swizzled tile (start address 1024-aligned up to
+ * the k16 offset). lbo/sbo in bytes: K-major tiles use sbo = 1024 (next 8 rows), lbo unused;
+ * MN-major tiles use lbo = distance between 64-element MN blocks, sbo = 1024 (next 8 k rows). */
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving accumulator reads/writes across wgmma fences and waits. */
+template <int R>
+__device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* Generated by .scratch/sm90b/gen_wgmma.py: one wrapper per wgmma N width. */
+// d[64 x 256] (+)= A[64 x 16] * B[16 x 256], both operands from shared memory (descriptors);
+// accumulate = 0 overwrites d (wgmma scale-d).
+template <bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+    if constexpr (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+                     "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+                       "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+                       "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+                       "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+                       "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+                       "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+                       "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+                       "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+                       "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+                     "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+                       "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+                       "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+                       "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+                       "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+                       "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+                       "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+                       "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+                       "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// d[64 x 128] (+)= A[64 x 16] * B[16 x 128], both operands from shared memory (descriptors);
+// accumulate = 0 overwrites d (wgmma scale-d).
+template <bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+    if constexpr (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                     "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                     "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// d[64 x 64] (+)= A[64 x 16] * B[16 x 64], both operands from shared memory (descriptors);
+// accumulate = 0 overwrites d (wgmma scale-d).
+template <bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+    if constexpr (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                     "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                     "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+
+template <int BN, bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    if constexpr (BN == 256) wgmma_m64n256k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else if constexpr (BN == 128) wgmma_m64n128k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else wgmma_m64n64k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+}
+
+/* ------------------------------------ epilogue ---------------------------------------------- */
+
+__device__ __forceinline__ float load_c(const float *c) { return *c; }
+__device__ __forceinline__ float load_c(const __nv_bfloat16 *c) { return __bfloat162float(*c); }
+__device__ __forceinline__ float load_c(const __half *c) { return __half2float(*c); }
+__device__ __forceinline__ float2 load_c2(const float *c) { return *(const float2 *)c; }
+__device__ __forceinline__ float2 load_c2(const __nv_bfloat16 *c) { return __bfloat1622float2(*(const __nv_bfloat162 *)c); }
+__device__ __forceinline__ float2 load_c2(const __half *c) { return __half22float2(*(const __half2 *)c); }
+__device__ __forceinline__ void store_out(float *o, float v) { *o = v; }
+__device__ __forceinline__ void store_out(__nv_bfloat16 *o, float v) { *o = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_out(__half *o, float v) { *o = __float2half_rn(v); }
+__device__ __forceinline__ void store_out2(float *o, float2 v) { *(float2 *)o = v; }
+__device__ __forceinline__ void store_out2(__nv_bfloat16 *o, float2 v) { *(__nv_bfloat162 *)o = __float22bfloat162_rn(v); }
+__device__ __forceinline__ void store_out2(__half *o, float2 v) { *(__half2 *)o = __float22half2_rn(v); }
+
+/* alpha * acc + beta * c, formed the same way (explicit rounding ops, no contraction choices) for
+ * every element and config. */
+__device__ __forceinline__ float epilogue_value(float acc, float c, bool has_c, float alpha, float beta) {
+    return has_c ? __fmaf_rn(alpha, acc, __fmul_rn(beta, c)) : __fmul_rn(alpha, acc);
+}
+
+/* Writes one consumer warpgroup's 64 x BN accumulator block. wgmma's fp32 accumulator layout: thread
+ * t (warp w = t / 32, lane l) holds, for j < BN/8, rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1) in
+ * d[4j .. 4j+3]. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row0, int col0, const gemm_sm90_params &p) {
+    const int t = threadIdx.x % 128;
+    const int row_base = row0 + 16 * (t / 32) + (t % 32) / 4;
+    const int col_base = col0 + 2 * (t % 4);
+    const OutT *c = (const OutT *)p.c;
+    OutT *out = (OutT *)p.out;
+    const bool has_c = c != nullptr;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_base + 8 * h;
+        if (row >= p.M) continue;
+        OutT *out_row = out + (int64_t)row * p.ldo;
+        const OutT *c_row = has_c ? c + (int64_t)row * p.ldc : nullptr;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int col = col_base + 8 * j;
+            if (col + 1 < p.N && p.out_pairs_aligned && (!has_c || p.c_pairs_aligned)) {
+                const float2 cv = has_c ? load_c2(c_row + col) : make_float2(0.f, 0.f);
+                float2 v;
+                v.x = epilogue_value(d[4 * j + 2 * h], cv.x, has_c, p.alpha, p.beta);
+                v.y = epilogue_value(d[4 * j + 2 * h + 1], cv.y, has_c, p.alpha, p.beta);
+                store_out2(out_row + col, v);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (col + e < p.N) {
+                        const float cv = has_c ? load_c(c_row + col + e) : 0.f;
+                        store_out(out_row + col + e, epilogue_value(d[4 * j + 2 * h + e], cv, has_c, p.alpha, p.beta));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------ linear_logp epilogue ---------------------------------- */
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <bool BF16>
+__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
+    if constexpr (BF16) return __uint_as_float((uint32_t)bits << 16);
+    else return __half2float(__ushort_as_half(bits));
+}
+
+/* Online-softmax state (m, l, S) in log2 units x = s * log2(e): m the running max, l = sum 2^(x - m),
+ * S = sum 2^(x - m) (x - m). Folds (m2, l2, S2) into (m, l, S); empty: m = LOGP_EMPTY_MAX, l = S = 0. */
+__device__ __forceinline__ void softmax_state_merge(float &m, float &l, float &S, float m2, float l2, float S2) {
+    const float m_new = fmaxf(m, m2);
+    const float a = exp2f(m - m_new), b = exp2f(m2 - m_new);
+    S = a * fmaf(m - m_new, l, S) + b * fmaf(m2 - m_new, l2, S2);
+    l = fmaf(a, l, b * l2);
+    m = m_new;
+}
+
+/* Per-thread softmax states of the two rows a consumer thread holds in the wgmma accumulator layout
+ * (rows 16w + l/4 and + 8 of its warpgroup's 64; the quad of lanes sharing a row keeps identical copies). */
+typedef struct logp_row_states {
+    float m[2], l[2], S[2];
+    float x_target[2];  /* target logit in log2 units (0 in the lanes and splits that do not hold it) */
+    int target_col[2];  /* -1: ignored, out of range or a row past N */
+} logp_row_states;
+
+__device__ __forceinline__ void logp_states_init(logp_row_states &st, int row0, const gemm_sm90_params &p,
+                                                 const logp_sm90_params &lp) {
+    const int t = threadIdx.x % 128;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 16 * (t / 32) + (t % 32) / 4 + 8 * h;
+        const int64_t target = row < p.M ? lp.target[row] : -1;
+        st.target_col[h] = (target >= 0 && target < p.N) ? (int)target : -1;
+        st.m[h] = LOGP_EMPTY_MAX;
+        st.l[h] = st.S[h] = st.x_target[h] = 0.f;
+    }
+}
+
+/* Folds one consumer warpgroup's 64 x BN logits tile d (columns col0 ..) into the row states: each
+ * thread scales its BN/4 values of a row (x = acc * scale_log2 + bias * scale_log2, -inf past V), the
+ * quad reduces max, then sum 2^(x - max) and sum 2^(x - max) (x - max) with xor shuffles (a + b == b + a,
+ * so all four lanes get the same bits), and the tile's state is merged into the running one. */
+template <int BN, bool BF16>
+__device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], int col0, logp_row_states &st,
+                                                 const gemm_sm90_params &p, const logp_sm90_params &lp) {
+    const int t = threadIdx.x % 128;
+    const int col_lane = col0 + 2 * (t % 4);  /* column of d[0] */
+    const uint16_t *bias = (const uint16_t *)lp.bias;
+    float bias_log2[BN / 8][2];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = col_lane + 8 * j + e;
+            const float b = (bias != nullptr && col < p.N) ? half_bits_to_float<BF16>(__ldg(bias + col)) : 0.f;
+            bias_log2[j][e] = col < p.N ? b * lp.scale_log2 : -INFINITY;
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float x[BN / 8][2];
+        float tile_max = LOGP_EMPTY_MAX;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                x[j][e] = fmaf(d[4 * j + 2 * h + e], lp.scale_log2, bias_log2[j][e]);
+                tile_max = fmaxf(tile_max, x[j][e]);
+            }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        float l = 0.f, S = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float diff = x[j][e] - tile_max; /* -inf past V: p = 0, the clamp keeps S finite */
+                const float prob = exp2_approx(diff);
+                l += prob;
+                S = fmaf(prob, fmaxf(diff, LOGP_EMPTY_MAX), S);
+            }
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        S += __shfl_xor_sync(0xffffffffu, S, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        S += __shfl_xor_sync(0xffffffffu, S, 2);
+        softmax_state_merge(st.m[h], st.l[h], st.S[h], tile_max, l, S);
+        const int target_offset = st.target_col[h] - col_lane;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (target_offset == 8 * j + e) st.x_target[h] = x[j][e];
+    }
+}
+
+/* Lane 0 of each quad writes the split's {m, l, S, x_target} of its two rows (x_target: the one lane
+ * holding it plus exact zeros). */
+__device__ __forceinline__ void store_partials(logp_row_states &st, int row0, int split, const gemm_sm90_params &p,
+                                               const logp_sm90_params &lp) {
+    const int t = threadIdx.x % 128;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float x = st.x_target[h];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        const int row = row0 + 16 * (t / 32) + (t % 32) / 4 + 8 * h;
+        if (t % 4 == 0 && row < p.M)
+            lp.partials[(int64_t)split * p.M + row] = make_float4(st.m[h], st.l[h], st.S[h], x);
+    }
+}
+
+/* ------------------------------------ kernel ------------------------------------------------ */
+
+/* Work index -> (row tile, column work unit). A work item is CLUSTER vertically adjacent row tiles (one
+ * per CTA of the cluster, sharing the B tiles); bands of GROUP_M row tiles sweep all column units in turn. */
+template <int CLUSTER>
+__device__ __forceinline__ void work_coords(int work, int m_groups, int n_units, int cta_rank, int *m_blk,
+                                            int *n_unit) {
+    constexpr int band = GROUP_M / CLUSTER;
+    const int band_size = band * n_units;
+    const int first = (work / band_size) * band;
+    const int rows = min(m_groups - first, band);
+    const int local = work % band_size;
+    *m_blk = (first + local % rows) * CLUSTER + cta_rank;
+    *n_unit = local / rows;
+}
+
+template <int BN, int CONSUMERS, int STAGES>
+constexpr int gemm_sm90_smem_bytes() {
+    return STAGES * (64 * CONSUMERS + BN) * BK * 2 + SMEM_ALIGN + 2 * STAGES * 8;
+}
+
+/* Frees a stage for the producers of this CTA and, with clusters, of the peer CTA (whose producer wrote
+ * half of this stage's B tile). */
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(uint32_t bar, int cta_rank) {
+    mbar_arrive(bar);
+    if constexpr (CLUSTER == 2) mbar_arrive_cluster(bar, cta_rank ^ 1);
+}
+
+/* Issues the four k16 wgmmas of the k-slice in stage s into d (accumulate = 0: the first one starts d
+ * from zero) as one commit group. */
+template <int BN, int CONSUMERS, bool A_MN, bool B_MN, bool BF16>
+__device__ __forceinline__ void issue_k_slice(float (&d)[BN / 2], int s, uint32_t a_rows, uint32_t b_smem,
+                                              int accumulate) {
+    constexpr uint32_t A_STAGE = 64 * CONSUMERS * BK * 2, B_STAGE = BN * BK * 2;
+    constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
+    constexpr uint32_t A_K16 = A_MN ? 16 * 128 : 32;  /* byte step per k16 inside a stage */
+    constexpr uint32_t B_K16 = B_MN ? 16 * 128 : 32;
+    constexpr uint32_t A_LBO = A_MN ? MN_BOX : 16, B_LBO = B_MN ? MN_BOX : 16;
+    wgmma_fence();
+    fence_accumulators(d);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        const uint64_t da = smem_desc(a_rows + s * A_STAGE + kk * A_K16, A_LBO, 1024);
+        const uint64_t db = smem_desc(b_smem + s * B_STAGE + kk * B_K16, B_LBO, 1024);
+        wgmma_k16<BN, BF16, A_MN, B_MN>(d, da, db, kk > 0 || accumulate);
+    }
+    wgmma_commit();
+    fence_accumulators(d);
+}
+
+/* d += chain with round-to-nearest fp32 adds, once chain's wgmmas (all but the newest PENDING groups) are
+ * done; then frees the chain's stage. */
+template <int BN, int CLUSTER, int PENDING>
+__device__ __forceinline__ void add_chain(float (&d)[BN / 2], float (&chain)[BN / 2], uint32_t stage_empty_bar,
+                                          int cta_rank) {
+    wgmma_wait<PENDING>();
+    fence_accumulators(chain);
+    if (threadIdx.x % 32 == 0) release_stage<CLUSTER>(stage_empty_bar, cta_rank);
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = __fadd_rn(d[i], chain[i]);
+}
+
+/* One consumer warpgroup's k loop over one tile: d = its 64 rows (A at a_rows) times the BN columns.
+ * it counts k-slices through the stage ring across tiles.
+ * CHAINS = 0 (GEMM): every k16 step accumulates into d; the next stage's wgmmas overlap the wait for the
+ * previous stage's.
+ * CHAINS = 1, 2 (linear_logp): each 64-wide k-slice is a fresh 4-step wgmma chain from zero, added into d
+ * with an fp32 FADD: the tensor cores' accumulator adds truncate, which over a 4096-long chain biases a
+ * logit of ~30 by ~1e-4 (perf-notes), and short chains plus round-to-nearest adds remove that. With 2,
+ * two chain buffers alternate so that a slice's wgmmas overlap the previous slice's wait and FADDs (same
+ * adds in the same order as 1).
+ * Every order here depends on K alone. */
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, int CHAINS>
+__device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_tiles, int &it, uint32_t a_rows, uint32_t b_smem,
+                                         uint32_t full_bar, uint32_t empty_bar, int cta_rank) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    if constexpr (CHAINS == 0) {
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+            const int s = it % STAGES;
+            mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
+            issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(d, s, a_rows, b_smem, 1);
+            /* keep this stage's wgmmas in flight; the previous stage's are done -> free its buffer */
+            wgmma_wait<1>();
+            if (kt > 0 && threadIdx.x % 32 == 0) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
+        }
+        wgmma_wait<0>();
+        fence_accumulators(d);
+        if (k_tiles > 0 && threadIdx.x % 32 == 0) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
+    } else if constexpr (CHAINS == 1) {
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+            const int s = it % STAGES;
+            float chain[BN / 2];
+            mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
+            issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain, s, a_rows, b_smem, 0);
+            add_chain<BN, CLUSTER, 0>(d, chain, empty_bar + 8 * s, cta_rank);
+        }
+    } else {
+        float chain0[BN / 2], chain1[BN / 2];
+        for (int kt = 0; kt < k_tiles; kt += 2, it += 2) {
+            const int s0 = it % STAGES, s1 = (it + 1) % STAGES;
+            mbar_wait(full_bar + 8 * s0, (it / STAGES) & 1);
+            issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain0, s0, a_rows, b_smem, 0);
+            if (kt > 0) add_chain<BN, CLUSTER, 1>(d, chain1, empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
+            if (kt + 1 < k_tiles) {
+                mbar_wait(full_bar + 8 * s1, ((it + 1) / STAGES) & 1);
+                issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain1, s1, a_rows, b_smem, 0);
+                add_chain<BN, CLUSTER, 1>(d, chain0, empty_bar + 8 * s0, cta_rank);
+            } else {
+                add_chain<BN, CLUSTER, 0>(d, chain0, empty_bar + 8 * s0, cta_rank);
+            }
+        }
+        if (k_tiles % 2 == 1) --it;  /* the last pair had one slice */
+        else if (k_tiles > 0) add_chain<BN, CLUSTER, 0>(d, chain1, empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
+    }
+}
+
+/* A_MN: A is MN-major in memory (a_trans = 1); B_MN: B is MN-major (b_trans = 0). CLUSTER = 2: the two
+ * CTAs of a cluster compute vertically adjacent tiles and each loads half of the shared B tile,
+ * multicast into both, which halves B's L2 -> SM traffic. LOGP: the linear_logp forward; a column work
+ * unit is a vocabulary split of LOGP_SPLIT_COLS / BN tiles walked in increasing order, each tile folded
+ * into per-row softmax states instead of being stored (OutT unused). */
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, typename OutT, bool LOGP>
+__global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
+gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                 const gemm_sm90_params p, const logp_sm90_params lp) {
+    constexpr int BM = 64 * CONSUMERS;
+    constexpr int TILES_PER_UNIT = LOGP ? LOGP_SPLIT_COLS / BN : 1;
+    constexpr uint32_t A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2;
+    constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
+    static_assert(!LOGP || (LOGP_SPLIT_COLS % BN == 0 && !A_MN && !B_MN), "linear_logp: K-major operands");
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
+    const uint32_t a_smem = smem, b_smem = smem + STAGES * A_STAGE;
+    const uint32_t full_bar = b_smem + STAGES * B_STAGE, empty_bar = full_bar + STAGES * 8;
+    const int cta_rank = CLUSTER == 1 ? 0 : (int)cluster_ctarank();
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 1);
+            /* lane 0 of every consumer warp of every CTA reading the stage's B tile */
+            mbar_init(empty_bar + 8 * s, 4 * CONSUMERS * CLUSTER);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if constexpr (CLUSTER == 1) __syncthreads();
+    else cluster_sync();
+
+    const int warpgroup = threadIdx.x / 128;
+    const int m_groups = (p.m_tiles + CLUSTER - 1) / CLUSTER;
+    const int num_work = m_groups * p.n_units;
+    const int first_work = blockIdx.x / CLUSTER, work_stride = gridDim.x / CLUSTER;
+
+    if (warpgroup == 0) {
+        /* producer: one thread keeps the ring full across tiles */
+        if constexpr (CONSUMERS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) {
+            int it = 0;
+            for (int work = first_work; work < num_work; work += work_stride) {
+                int m_blk, n_unit;
+                work_coords<CLUSTER>(work, m_groups, p.n_units, cta_rank, &m_blk, &n_unit);
+                const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
+                for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
+                    for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
+                        const int s = it % STAGES;
+                        mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
+                        const uint32_t bar = full_bar + 8 * s;
+                        mbar_arrive_expect_tx(bar, p.a_box_bytes + B_STAGE);
+                        if constexpr (A_MN) {
+                            for (int j = 0; j < BM / 64; ++j)
+                                tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j, kt * BK,
+                                            bar);
+                        } else {
+                            tma_load_2d(a_smem + s * A_STAGE, &map_a, kt * BK, m_blk * BM, bar);
+                        }
+                        const uint32_t b_dst = b_smem + s * B_STAGE;
+                        if constexpr (CLUSTER == 1) {
+                            if constexpr (B_MN) {
+                                for (int j = 0; j < BN / 64; ++j)
+                                    tma_load_2d(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j, kt * BK, bar);
+                            } else {
+                                tma_load_2d(b_dst, &map_b, kt * BK, n_blk * BN, bar);
+                            }
+                        } else {
+                            /* this CTA's half of the B tile, into both CTAs */
+                            constexpr int HALF = BN / 2;
+                            if constexpr (B_MN) {
+                                for (int j = cta_rank * HALF / 64; j < (cta_rank + 1) * HALF / 64; ++j)
+                                    tma_load_2d_multicast(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j, kt * BK,
+                                                          bar, 0x3);
+                            } else {
+                                tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, kt * BK,
+                                                      n_blk * BN + cta_rank * HALF, bar, 0x3);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    } else {
+        /* consumer warpgroup c: rows 64c .. 64c+63 of each tile */
+        if constexpr (CONSUMERS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int c = warpgroup - 1;
+        /* K-major: 64 rows of 128 bytes; MN-major: one 64 x BK box. Both are 8 KB per 64 rows. */
+        const uint32_t a_rows = a_smem + c * 64 * BK * 2;
+        float d[BN / 2];
+        int it = 0;
+        for (int work = first_work; work < num_work; work += work_stride) {
+            int m_blk, n_unit;
+            work_coords<CLUSTER>(work, m_groups, p.n_units, cta_rank, &m_blk, &n_unit);
+            const int row0 = m_blk * BM + 64 * c;
+            if constexpr (LOGP) {
+                logp_row_states st;
+                logp_states_init(st, row0, p, lp);
+                const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
+                for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
+                    mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, LOGP_CHAINS>(d, p.k_tiles, it, a_rows, b_smem,
+                                                                                            full_bar, empty_bar, cta_rank);
+                    fold_logits_tile<BN, BF16>(d, n_blk * BN, st, p, lp);
+                }
+                store_partials(st, row0, n_unit, p, lp);
+            } else {
+                mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, 0>(d, p.k_tiles, it, a_rows, b_smem,
+                                                                              full_bar, empty_bar, cta_rank);
+                store_tile<BN, OutT>(d, row0, n_unit * BN, p);
+            }
+        }
+    }
+    /* the peer CTA may still arrive on this CTA's barriers: leave together */
+    if constexpr (CLUSTER == 2) {
+        __syncwarp();
+        cluster_sync();
+    }
+}
+
+/* ------------------------------------ host side --------------------------------------------- */
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point, so nothing links libcuda. */
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        void *fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    return encode;
+}
+
+/* Map over a [outer, inner] matrix (inner contiguous, rows row_bytes apart), 128-byte swizzled boxes of
+ * box_inner x box_outer elements; out-of-bounds elements read as zero. */
+static bool make_tensor_map(CUtensorMap *map, bool bf16, const void *base, int64_t inner, int64_t outer,
+                            int64_t row_bytes, int box_inner, int box_outer) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (!encode) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)inner, (cuuint64_t)outer};
+    const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t box[2] = {(cuuint32_t)box_inner, (cuuint32_t)box_outer};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, (void *)base, dims,
+                  strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, typename OutT, bool LOGP>
+static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const logp_sm90_params &lp, int device,
+                            int num_sms,
+                            cudaStream_t stream) {
+    constexpr int BM = 64 * CONSUMERS;
+    /* K-major A with a single 64-row tile: load only the rows that exist (rounded up to 8); the rows past
+     * the box keep stale shared memory, which only reaches accumulator rows that are never stored. */
+    const int a_rows = (!A_MN && BM == 64 && args->M < 64) ? (int)((args->M + 7) / 8 * 8) : BM;
+    p.a_box_bytes = A_MN ? BM * BK * 2 : a_rows * BK * 2;
+    CUtensorMap map_a, map_b;
+    memset(&map_a, 0, sizeof(map_a));
+    memset(&map_b, 0, sizeof(map_b));
+    if (args->K > 0) {
+        const bool ok_a = A_MN ? make_tensor_map(&map_a, BF16, args->a, args->M, args->K, args->lda * 2, 64, BK)
+                               : make_tensor_map(&map_a, BF16, args->a, args->K, args->M, args->lda * 2, BK, a_rows);
+        const bool ok_b = B_MN ? make_tensor_map(&map_b, BF16, args->b, args->N, args->K, args->ldb * 2, 64, BK)
+                               : make_tensor_map(&map_b, BF16, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER);
+        if (!ok_a || !ok_b) return RLK_UNSUPPORTED;
+    }
+    auto kernel = gemm_sm90_kernel<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, OutT, LOGP>;
+    constexpr int smem_bytes = gemm_sm90_smem_bytes<BN, CONSUMERS, STAGES>();
+
+    cudaLaunchConfig_t config;
+    memset(&config, 0, sizeof(config));
+    cudaLaunchAttribute cluster_attr;
+    cluster_attr.id = cudaLaunchAttributeClusterDimension;
+    cluster_attr.val.clusterDim.x = CLUSTER;
+    cluster_attr.val.clusterDim.y = 1;
+    cluster_attr.val.clusterDim.z = 1;
+    config.blockDim = dim3((CONSUMERS + 1) * 128);
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    config.attrs = &cluster_attr;
+    config.numAttrs = 1;
+
+    /* once per device and instantiation: raise the shared-memory limit, count co-resident clusters */
+    static uint64_t configured_devices = 0;
+    static int max_clusters[64];
+    if (device >= 64) return RLK_UNSUPPORTED;
+    if (!(configured_devices & (1ull << device))) {
+        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        if (err != cudaSuccess) return (int)err;
+        int clusters = num_sms / CLUSTER;
+        if (CLUSTER > 1) {
+            config.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
+            if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1)
+                clusters = num_sms / CLUSTER;
+            cudaGetLastError();
+        }
+        max_clusters[device] = clusters;
+        configured_devices |= 1ull << device;
+    }
+    p.m_tiles = (int)((args->M + BM - 1) / BM);
+    p.col_tiles = (int)((args->N + BN - 1) / BN);
+    p.n_units = LOGP ? (int)((args->N + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS) : p.col_tiles;
+    const int work = (p.m_tiles + CLUSTER - 1) / CLUSTER * p.n_units;
+    config.gridDim = dim3((work < max_clusters[device] ? work : max_clusters[device]) * CLUSTER);
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_b, p, lp);
+    return err == cudaSuccess ? RLK_OK : (int)err;
+}
+
+/* The tile configs. All of them compute every output element with the same k16 wgmma sequence, so the
+ * choice among them is a performance choice only (bitwise-equal rows are tested across them). */
+enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, NUM_CONFIGS };
+static const int config_bm[NUM_CONFIGS] = {128, 128, 64};
+static const int config_bn[NUM_CONFIGS] = {256, 128, 64};
+/* Estimated SM cycles per k16 step of one tile (measured order of magnitude on H100): two m64n256 wgmmas
+ * at ~80% of peak, two m64n128, one latency-bound m64n64 chain. */
+static const int config_cycles[NUM_CONFIGS] = {320, 170, 100};
+
+/* Up to 64 rows: the 64-row tiles (128-row tiles would mostly multiply zero-filled rows). Otherwise the
+ * fewest estimated cycles: waves of tiles x cycles per tile. */
+static int choose_config(int64_t M, int64_t N, int num_sms) {
+    if (M <= 64) return CONFIG_SMALL;
+    int best = CONFIG_LARGE;
+    int64_t best_cost = INT64_MAX;
+    for (int c = 0; c < NUM_CONFIGS; ++c) {
+        const int64_t tiles = ((M + config_bm[c] - 1) / config_bm[c]) * ((N + config_bn[c] - 1) / config_bn[c]);
+        const int64_t cost = (tiles + num_sms - 1) / num_sms * config_cycles[c];
+        if (cost < best_cost) {
+            best_cost = cost;
+            best = c;
+        }
+    }
+    return best;
+}
+
+template <bool A_MN, bool B_MN, bool BF16, typename OutT>
+static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_params &p, int device, int num_sms,
+                         cudaStream_t stream) {
+    if (config == CONFIG_LARGE)
+        return launch_gemm_sm90<256, 2, 4, 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+    if (config == CONFIG_MEDIUM)
+        return launch_gemm_sm90<128, 2, 6, 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+    return launch_gemm_sm90<64, 1, 12, 1, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+}
+
+template <bool BF16, typename OutT>
+static int launch_layout(int config, const rlk_gemm_args *args, const gemm_sm90_params &p, int device, int num_sms,
+                         cudaStream_t stream) {
+    const bool b_mn = !args->b_trans;
+    if (args->a_trans)
+        return b_mn ? launch_config<true, true, BF16, OutT>(config, args, p, device, num_sms, stream)
+                    : launch_config<true, false, BF16, OutT>(config, args, p, device, num_sms, stream);
+    return b_mn ? launch_config<false, true, BF16, OutT>(config, args, p, device, num_sms, stream)
+                : launch_config<false, false, BF16, OutT>(config, args, p, device, num_sms, stream);
+}
+
+static bool tma_operand_ok(const void *base, int64_t ld) {
+    return ((uintptr_t)base % 16 == 0) && ((ld * 2) % 16 == 0) && ld > 0 && ld * 2 < (1ll << 40);
+}
+
+static bool pairs_aligned(const void *ptr, int64_t ld, int elem_bytes) {
+    return ((uintptr_t)ptr % (2 * elem_bytes) == 0) && (ld % 2 == 0);
+}
+
+extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, void *stream) {
+    const bool in_ok = args->in_dtype == RLK_BF16 || args->in_dtype == RLK_F16;
+    const bool out_ok = args->out_dtype == args->in_dtype || args->out_dtype == RLK_F32;
+    if (!in_ok || !out_ok) return RLK_UNSUPPORTED;
+    if (args->N >= INT32_MAX || args->K >= INT32_MAX) return RLK_UNSUPPORTED;
+    if (args->K > 0 && (!tma_operand_ok(args->a, args->lda) || !tma_operand_ok(args->b, args->ldb)))
+        return RLK_UNSUPPORTED;
+
+    int device, num_sms;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return (int)err;
+
+    const int out_bytes = args->out_dtype == RLK_F32 ? 4 : 2;
+    gemm_sm90_params p;
+    p.M = (int)args->M;
+    p.N = (int)args->N;
+    p.k_tiles = (int)((args->K + BK - 1) / BK);
+    p.c = args->c;
+    p.ldc = args->ldc;
+    p.out = args->out;
+    p.ldo = args->ldo;
+    p.alpha = args->alpha;
+    p.beta = args->beta;
+    p.c_pairs_aligned = args->c != nullptr && pairs_aligned(args->c, args->ldc, out_bytes);
+    p.out_pairs_aligned = pairs_aligned(args->out, args->ldo, out_bytes);
+
+    const int config = choose_config(args->M, args->N, num_sms);
+
+    cudaStream_t s = (cudaStream_t)stream;
+    if (args->in_dtype == RLK_BF16)
+        return args->out_dtype == RLK_F32 ? launch_layout<true, float>(config, args, p, device, num_sms, s)
+                                          : launch_layout<true, __nv_bfloat16>(config, args, p, device, num_sms, s);
+    return args->out_dtype == RLK_F32 ? launch_layout<false, float>(config, args, p, device, num_sms, s)
+                                      : launch_layout<false, __half>(config, args, p, device, num_sms, s);
+}
+
+
+/* ------------------------------------ linear_logp forward ----------------------------------- */
+
+/* One thread per row: fold the splits in increasing order, then finish logp / entropy / lse. */
+__global__ void logp_sm90_merge_kernel(const float4 *__restrict__ partials, int64_t N, int64_t V, int splits,
+                                       const int64_t *__restrict__ target, int64_t ignore_index,
+                                       float *__restrict__ logp, float *__restrict__ entropy, float *__restrict__ lse,
+                                       int32_t *bad_target) {
+    const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    const float LN2 = 0.6931471805599453f;
+    const int64_t t = target[n];
+    float out_logp, out_entropy, out_lse;
+    if (t == ignore_index) {
+        out_logp = out_entropy = out_lse = 0.0f;
+    } else if (t < 0 || t >= V) {
+        out_logp = out_entropy = out_lse = __int_as_float(0x7fc00000);
+        if (bad_target != nullptr) *bad_target = 1;
+    } else {
+        float m = LOGP_EMPTY_MAX, l = 0.0f, S = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float4 part = partials[(int64_t)s * N + n];
+            softmax_state_merge(m, l, S, part.x, part.y, part.z);
+        }
+        const float x_target = partials[(t / LOGP_SPLIT_COLS) * N + n].w;
+        const float log2_l = log2f(l);
+        out_logp = ((x_target - m) - log2_l) * LN2;
+        out_entropy = (log2_l - S / l) * LN2;
+        out_lse = (m + log2_l) * LN2;
+    }
+    logp[n] = out_logp;
+    lse[n] = out_lse;
+    if (entropy != nullptr) entropy[n] = out_entropy;
+}
+
+/* The medium tile config (BM = BN = 128, 2-CTA clusters): fresh per-k-slice chains need a second set of
+ * accumulator registers, which the 128 x 256 config cannot afford. 8 tiles per vocabulary split. */
+extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *workspace, void *stream) {
+    const bool bf16 = args->dtype == RLK_BF16;
+    if (!bf16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
+    if (args->D <= 0 || args->D % 8 != 0 || args->D >= INT32_MAX || args->N >= INT32_MAX ||
+        args->V >= INT32_MAX - LOGP_SPLIT_COLS)
+        return RLK_UNSUPPORTED;
+    if (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)) return RLK_UNSUPPORTED;
+
+    int device, num_sms;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return (int)err;
+
+    /* the product hidden @ weight^T as a GEMM: A = hidden (K-major), B = weight^T (b_trans = 1) */
+    rlk_gemm_args g;
+    memset(&g, 0, sizeof(g));
+    g.M = args->N;
+    g.N = args->V;
+    g.K = args->D;
+    g.in_dtype = args->dtype;
+    g.out_dtype = RLK_F32;
+    g.a = args->hidden;
+    g.lda = args->ldh;
+    g.b = args->weight;
+    g.ldb = args->ldw;
+    g.b_trans = 1;
+    gemm_sm90_params p;
+    memset(&p, 0, sizeof(p));
+    p.M = (int)args->N;
+    p.N = (int)args->V;
+    p.k_tiles = (int)((args->D + BK - 1) / BK);
+    logp_sm90_params lp;
+    lp.bias = args->bias;
+    lp.target = args->target;
+    lp.partials = (float4 *)workspace;
+    lp.scale_log2 = args->inv_temperature * 1.4426950408889634f;
+
+    cudaStream_t s = (cudaStream_t)stream;
+    const int rc = bf16 ? launch_gemm_sm90<128, 2, 6, 2, false, false, true, float, true>(&g, p, lp, device, num_sms, s)
+                        : launch_gemm_sm90<128, 2, 6, 2, false, false, false, float, true>(&g, p, lp, device, num_sms, s);
+    if (rc != RLK_OK) return rc;
+    const int splits = (int)((args->V + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS);
+    const int threads = 256;
+    logp_sm90_merge_kernel<<<(unsigned)((args->N + threads - 1) / threads), threads, 0, s>>>(
+        lp.partials, args->N, args->V, splits, args->target, args->ignore_index, args->logp, args->entropy, args->lse,
+        args->bad_target);
+    return (int)cudaGetLastError();
+}

@@ -1,0 +1,564 @@
+/* linear_logp_sm80.cu: fused LM-head log-probs on tensor cores (mma.sync, sm_80 and later).
+ *
+ * Forward, per row n with s_v = (hidden[n] . weight[v] + bias[v]) * inv_temperature:
+ *   lse = log sum_v exp(s_v),  logp = s_target - lse,  entropy = lse - sum_v p_v s_v,
+ * computed without ever writing the [N, V] logits to memory.
+ *
+ * Tile plan (partial kernel): a CTA of 256 threads (8 warps as 2 x 4, warp tile 64 x 64) computes
+ * logits tiles of 128 rows x 256 vocabulary columns with mma.sync m16n8k16 (bf16/fp16 in, fp32
+ * accumulate); operands stream through a 3-stage cp.async pipeline of 64-wide D slices stored with
+ * a 16-byte XOR swizzle and read with ldmatrix. Every 32-long piece of D is a fresh 2-deep mma
+ * chain added to the fp32 accumulators with FADD (the tensor-core accumulator truncates; see the
+ * main loop). The grid is (row tiles) x (vocabulary splits); a split is 4 consecutive vocabulary
+ * tiles (1024 columns), walked in increasing order as one flat pipeline over (tile, D slice).
+ * When a tile's D loop ends, the epilogue folds the 128 x 256 logits into online-softmax states
+ * (running max m, sum l of 2^(x-m), sum S of 2^(x-m) (x-m), all in log2 units x = s * log2(e)):
+ * each quad of lanes sharing a row reduces its 64 columns, then lane 0 merges them into the state
+ * of (row, warp column) kept in shared memory. The lane holding the target column records the
+ * target's logit. At the end of the split the 4 warp-column states of a row are merged and written
+ * as one float4 {m, l, S, x_target} to workspace[split][row].
+ * The merge kernel folds the splits of each row in increasing split order and writes logp,
+ * entropy, lse (ignored rows -> 0; out-of-range targets -> NaN and *bad_target = 1).
+ *
+ * Batch invariance: every logit is one fixed sequence of mma.sync chains and FADDs over 32-wide D
+ * pieces (zero padding past D), a function of D only. The split boundaries depend on V only,
+ * each split walks its tiles in increasing order, every reduction (quad shuffles, warp-column
+ * merge, split merge) runs in a fixed order, no atomics. Nothing depends on N, on the row's
+ * position in the batch, or on pointer alignment (the aligned cp.async loader and the scalar
+ * loader fill shared memory with identical bytes).
+ *
+ * dlogits: elementwise, d_z = inv_T * (g_logp * (1[v == t] - p) - g_ent * p * (s - lse + H)),
+ * 4 columns per thread (float4 loads when logits/out rows allow it), scalar tail otherwise.
+ *
+ * Build: nvcc -O3 -std=c++17 -lineinfo -Xptxas -v -shared -Xcompiler -fPIC
+ *          -gencode arch=compute_80,code=sm_80 -gencode arch=compute_80,code=compute_80
+ *          -gencode arch=compute_90,code=sm_90 csrc/cuda/linear_logp_sm80.cu -o liblogp.so
+ * Test:  .scratch/logp/drive.py (ctypes; fp64 torch reference, bitwise row-invariance, timing).
+ */
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <math.h>
+
+#include "../rl_kernels.h"
+
+#define LOGP_BM 128             /* rows per CTA tile */
+#define LOGP_BN 256             /* vocabulary columns per CTA tile */
+#define LOGP_BK 64              /* D slice per pipeline stage (128-byte smem rows) */
+#define LOGP_STAGES 3
+#define LOGP_CHAIN_K 32         /* D length of one mma accumulation chain before an fp32 add */
+#define LOGP_THREADS 256
+#define LOGP_TILES_PER_SPLIT 4
+#define LOGP_SPLIT_COLS (LOGP_BN * LOGP_TILES_PER_SPLIT)
+#define LOGP_ROW_SLOTS 8        /* rows per thread in the mma fragments: 4 m16 tiles x 2 halves */
+#define LOGP_EMPTY_MAX (-1e30f) /* max of an empty state: finite so that (m - m') * 0 stays 0 */
+
+#define LOGP_A_STAGE_BYTES (LOGP_BM * LOGP_BK * 2)
+#define LOGP_B_STAGE_BYTES (LOGP_BN * LOGP_BK * 2)
+#define LOGP_STAGE_BYTES (LOGP_A_STAGE_BYTES + LOGP_B_STAGE_BYTES)
+#define LOGP_STATE_COUNT (LOGP_ROW_SLOTS * (LOGP_THREADS / 32) * 8) /* (slot, warp, lane group) */
+#define LOGP_SMEM_BYTES (LOGP_STAGES * LOGP_STAGE_BYTES + LOGP_STATE_COUNT * 16 + LOGP_BM * 8)
+
+static const float LOG2E = 1.4426950408889634f;
+static const float LN2 = 0.6931471805599453f;
+
+static int64_t logp_splits(int64_t V) { return (V + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS; }
+
+/* ---------------------------------------------------------------------------------------------
+ * PTX wrappers
+ * ------------------------------------------------------------------------------------------- */
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void *gmem_src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void st_shared_v4(uint32_t smem_dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_dst), "r"(a), "r"(b), "r"(c), "r"(d));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t smem_src) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_src));
+}
+
+template <bool IS_BF16>
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    if (IS_BF16) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+}
+
+template <bool IS_BF16>
+__device__ __forceinline__ void mma_16816_zero_c(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    const float zero = 0.0f;
+    if (IS_BF16) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(zero));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(zero));
+    }
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <bool IS_BF16>
+__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
+    if (IS_BF16) return __uint_as_float((uint32_t)bits << 16);
+    return __half2float(__ushort_as_half(bits));
+}
+
+/* Online-softmax state (m, l, S) in log2 units: l = sum 2^(x - m), S = sum 2^(x - m) (x - m).
+ * Folds (m2, l2, S2) into (m, l, S). Empty states have m = LOGP_EMPTY_MAX, l = S = 0. */
+__device__ __forceinline__ void softmax_state_merge(float &m, float &l, float &S, float m2, float l2, float S2) {
+    const float m_new = fmaxf(m, m2);
+    const float a = exp2f(m - m_new), b = exp2f(m2 - m_new);
+    S = a * fmaf(m - m_new, l, S) + b * fmaf(m2 - m_new, l2, S2);
+    l = fmaf(a, l, b * l2);
+    m = m_new;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Partial kernel: one (128-row tile, 1024-column split) per CTA.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Fills the ROWS x 64 operand slice (rows [row_begin, row_begin + ROWS), columns [k0, k0 + 64))
+ * of a [row_end, D] matrix into swizzled shared memory; out-of-range elements become zero.
+ * Thread t fills 16-byte chunk (t & 7) of slice rows (t >> 3) + 32 i. Addresses are recomputed
+ * per call rather than kept in registers (the accumulators need them). ALIGNED: cp.async (row
+ * starts 16-byte aligned; a partial last chunk copies 2 * (D - k) bytes, zero-filling the rest).
+ * Otherwise scalar loads assemble the same bytes. */
+template <int ROWS, bool ALIGNED>
+__device__ __forceinline__ void load_operand_slice(uint32_t smem_tile, const uint16_t *matrix, int64_t ld,
+                                                   int64_t row_begin, int64_t row_end, int k0, int D, int tid) {
+    const int chunk = tid & 7;
+    const int k = k0 + chunk * 8;
+    const int k_left = D - k;
+    const int64_t first_row = row_begin + (tid >> 3);
+    const int rows_left = (int)min(row_end - first_row, (int64_t)ROWS); /* >= -31 */
+    const uint16_t *first = matrix + first_row * ld + k;                 /* dereferenced only if live */
+    const int64_t stride = 32 * ld;                                      /* between this thread's rows */
+    if (ALIGNED) {
+        const int bytes = min(max(2 * k_left, 0), 16);
+        const uint16_t *src = first;
+#pragma unroll 1 /* rolled: unrolled, the hoisted addresses compete with the accumulators */
+        for (int i = 0; i < ROWS / 32; ++i) {
+            const int r = (tid >> 3) + 32 * i;
+            const bool live = 32 * i < rows_left && bytes > 0;
+            cp_async_16(smem_tile + r * 128 + ((chunk ^ (r & 7)) << 4), live ? src : matrix, live ? bytes : 0);
+            src += stride;
+        }
+    } else {
+        /* one chunk at a time: the scalar loads of all chunks in flight would not fit in registers */
+#pragma unroll 1
+        for (int i = 0; i < ROWS / 32; ++i) {
+            const int r = (tid >> 3) + 32 * i;
+            const bool live = 32 * i < rows_left;
+            const uint16_t *src = first + i * stride;
+            uint32_t packed[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint32_t lo = (live && 2 * j < k_left) ? __ldg(src + 2 * j) : 0u;
+                const uint32_t hi = (live && 2 * j + 1 < k_left) ? __ldg(src + 2 * j + 1) : 0u;
+                packed[j] = lo | (hi << 16);
+            }
+            st_shared_v4(smem_tile + r * 128 + ((chunk ^ (r & 7)) << 4), packed[0], packed[1], packed[2], packed[3]);
+        }
+    }
+}
+
+template <bool IS_BF16, bool ALIGNED>
+__global__ void __launch_bounds__(LOGP_THREADS, 1)
+linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, const uint16_t *__restrict__ weight,
+                           int64_t ldw, const uint16_t *__restrict__ bias, const int64_t *__restrict__ target,
+                           int64_t N, int D, int V, float scale_log2, float4 *__restrict__ partials) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    float4 *states = (float4 *)(smem + LOGP_STAGES * LOGP_STAGE_BYTES); /* [slot][warp][lane >> 2] */
+    float *target_logit = (float *)(states + LOGP_STATE_COUNT);           /* [BM] */
+    int *target_col = (int *)(target_logit + LOGP_BM);                     /* [BM], -1: none */
+    const uint32_t smem_base = (uint32_t)__cvta_generic_to_shared(smem);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warp_m = warp >> 2, warp_n = warp & 3;
+    const int64_t row0 = (int64_t)blockIdx.x * LOGP_BM;
+    const int split = blockIdx.y;
+    const int tiles_total = (V + LOGP_BN - 1) / LOGP_BN;
+    const int tile_begin = split * LOGP_TILES_PER_SPLIT;
+    const int tile_end = min(tile_begin + LOGP_TILES_PER_SPLIT, tiles_total);
+    const int k_iters = max(1, (D + LOGP_BK - 1) / LOGP_BK); /* D == 0: one all-zero slice */
+    const int total_iters = (tile_end - tile_begin) * k_iters;
+
+    if (tid < LOGP_BM) {
+        const int64_t row = row0 + tid;
+        const int64_t t = row < N ? target[row] : -1;
+        target_col[tid] = (t >= 0 && t < V) ? (int)t : -1;
+        target_logit[tid] = 0.0f;
+    }
+    if ((lane & 3) == 0) {
+        for (int slot = 0; slot < LOGP_ROW_SLOTS; ++slot)
+            states[(slot * 8 + warp) * 8 + (lane >> 2)] = make_float4(LOGP_EMPTY_MAX, 0.0f, 0.0f, 0.0f);
+    }
+
+    /* loader position in the flat (tile, D slice) sequence of this split */
+    int load_tile = tile_begin, load_k0 = 0, load_stage = 0;
+#pragma unroll
+    for (int s = 0; s < LOGP_STAGES - 1; ++s) {
+        if (s < total_iters) {
+            const uint32_t a_dst = smem_base + load_stage * LOGP_STAGE_BYTES;
+            load_operand_slice<LOGP_BM, ALIGNED>(a_dst, hidden, ldh, row0, N, load_k0, D, tid);
+            load_operand_slice<LOGP_BN, ALIGNED>(a_dst + LOGP_A_STAGE_BYTES, weight, ldw,
+                                                 (int64_t)load_tile * LOGP_BN, V, load_k0, D, tid);
+            /* compare with D, not a slice count: keeps a register free */
+            if ((load_k0 += LOGP_BK) >= D) { load_k0 = 0; ++load_tile; }
+            load_stage = load_stage + 1 == LOGP_STAGES ? 0 : load_stage + 1;
+        }
+        cp_async_commit();
+    }
+
+    /* per-lane ldmatrix offsets; the swizzle term (row & 7) is (lane & 7) for every fragment */
+    const uint32_t a_lane_row = (uint32_t)(warp_m * 64 + (lane & 15)) * 128;
+    const uint32_t b_lane_row = (uint32_t)(warp_n * 64 + (lane & 7) + ((lane >> 4) << 3)) * 128;
+    const int a_lane_chunk = lane >> 4, b_lane_chunk = (lane >> 3) & 1, swizzle = lane & 7;
+
+    float acc[4][8][4];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+
+    int tile = tile_begin, read_k0 = 0, read_stage = 0;
+    for (int it = 0; it < total_iters; ++it) {
+        cp_async_wait<LOGP_STAGES - 2>();
+        __syncthreads(); /* slice `it` visible; stage of slice it - 1 free for refill */
+        if (it + LOGP_STAGES - 1 < total_iters) {
+            const uint32_t a_dst = smem_base + load_stage * LOGP_STAGE_BYTES;
+            load_operand_slice<LOGP_BM, ALIGNED>(a_dst, hidden, ldh, row0, N, load_k0, D, tid);
+            load_operand_slice<LOGP_BN, ALIGNED>(a_dst + LOGP_A_STAGE_BYTES, weight, ldw,
+                                                 (int64_t)load_tile * LOGP_BN, V, load_k0, D, tid);
+            /* compare with D, not a slice count: keeps a register free */
+            if ((load_k0 += LOGP_BK) >= D) { load_k0 = 0; ++load_tile; }
+            load_stage = load_stage + 1 == LOGP_STAGES ? 0 : load_stage + 1;
+        }
+        cp_async_commit();
+
+        const uint32_t a_smem = smem_base + read_stage * LOGP_STAGE_BYTES;
+        const uint32_t b_smem = a_smem + LOGP_A_STAGE_BYTES;
+        /* Each LOGP_CHAIN_K-long piece of the D sum starts a fresh mma chain from zero and is added
+         * to acc with an fp32 FADD: the tensor cores add into their accumulator with truncation,
+         * which over a 4096-long chain biases a logit of size 30 by ~1e-4; short chains plus
+         * round-to-nearest adds keep it near 1e-6. The order is still fixed by D alone. */
+#pragma unroll 1 /* rolled: unrolled, the next chains' fragments push the accumulators into spills */
+        for (int kc = 0; kc < LOGP_BK / LOGP_CHAIN_K; ++kc) {
+            uint32_t b_frag[LOGP_CHAIN_K / 16][8][2];
+#pragma unroll
+            for (int q = 0; q < LOGP_CHAIN_K / 16; ++q) {
+                const int kk = kc * (LOGP_CHAIN_K / 16) + q;
+                const uint32_t b_col = (uint32_t)(((2 * kk + b_lane_chunk) ^ swizzle) << 4);
+#pragma unroll
+                for (int nj = 0; nj < 4; ++nj) {
+                    uint32_t r[4];
+                    ldmatrix_x4(r, b_smem + b_lane_row + nj * 16 * 128 + b_col);
+                    b_frag[q][2 * nj][0] = r[0];
+                    b_frag[q][2 * nj][1] = r[1];
+                    b_frag[q][2 * nj + 1][0] = r[2];
+                    b_frag[q][2 * nj + 1][1] = r[3];
+                }
+            }
+#pragma unroll
+            for (int mi = 0; mi < 4; ++mi) {
+                uint32_t a_frag[LOGP_CHAIN_K / 16][4];
+#pragma unroll
+                for (int q = 0; q < LOGP_CHAIN_K / 16; ++q) {
+                    const int kk = kc * (LOGP_CHAIN_K / 16) + q;
+                    const uint32_t a_col = (uint32_t)(((2 * kk + a_lane_chunk) ^ swizzle) << 4);
+                    ldmatrix_x4(a_frag[q], a_smem + a_lane_row + mi * 16 * 128 + a_col);
+                }
+#pragma unroll
+                for (int ni = 0; ni < 8; ++ni) {
+                    float chain[4];
+                    mma_16816_zero_c<IS_BF16>(chain, a_frag[0], b_frag[0][ni]);
+#pragma unroll
+                    for (int q = 1; q < LOGP_CHAIN_K / 16; ++q) mma_16816<IS_BF16>(chain, a_frag[q], b_frag[q][ni]);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mi][ni][e] += chain[e];
+                }
+            }
+        }
+        read_stage = read_stage + 1 == LOGP_STAGES ? 0 : read_stage + 1;
+
+        if ((read_k0 += LOGP_BK) < D) continue;
+
+        /* ---- epilogue of vocabulary tile `tile`: fold its logits into the row states ---- */
+        const int col_lane0 = tile * LOGP_BN + warp_n * 64 + 2 * (lane & 3); /* column of acc[.][0][0] */
+        float bias_log2[8][2]; /* (bias * scale_log2), -inf for columns >= V */
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = col_lane0 + ni * 8 + e;
+                float b = 0.0f;
+                if (bias != nullptr && col < V) b = half_bits_to_float<IS_BF16>(__ldg(bias + col));
+                bias_log2[ni][e] = col < V ? b * scale_log2 : -INFINITY;
+            }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int slot = mi * 2 + h;
+                const int row_local = warp_m * 64 + mi * 16 + h * 8 + (lane >> 2);
+                float x[8][2];
+                float tile_max = LOGP_EMPTY_MAX;
+#pragma unroll
+                for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        x[ni][e] = fmaf(acc[mi][ni][2 * h + e], scale_log2, bias_log2[ni][e]);
+                        tile_max = fmaxf(tile_max, x[ni][e]);
+                    }
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+                float l = 0.0f, S = 0.0f;
+#pragma unroll
+                for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float d = x[ni][e] - tile_max; /* -inf past V: p = 0, clamped d keeps S finite */
+                        const float p = exp2_approx(d);
+                        l += p;
+                        S = fmaf(p, fmaxf(d, LOGP_EMPTY_MAX), S);
+                    }
+                /* a + b == b + a exactly, so every lane of the quad holds the same sums */
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                S += __shfl_xor_sync(0xffffffffu, S, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+                S += __shfl_xor_sync(0xffffffffu, S, 2);
+                if ((lane & 3) == 0) {
+                    float4 *st = &states[(slot * 8 + warp) * 8 + (lane >> 2)];
+                    float4 s = *st;
+                    softmax_state_merge(s.x, s.y, s.z, tile_max, l, S);
+                    *st = s;
+                }
+                const int target_offset = target_col[row_local] - col_lane0;
+#pragma unroll
+                for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (target_offset == ni * 8 + e) target_logit[row_local] = x[ni][e];
+            }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+        read_k0 = 0;
+        ++tile;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    /* merge the 4 warp-column states of each row in fixed order and publish the split's partial */
+    if (tid < LOGP_BM) {
+        const int r = tid;
+        const int wm = r >> 6, slot = ((r >> 4) & 3) * 2 + ((r >> 3) & 1), group = r & 7;
+        float m = LOGP_EMPTY_MAX, l = 0.0f, S = 0.0f;
+        for (int wn = 0; wn < 4; ++wn) {
+            const float4 s = states[(slot * 8 + wm * 4 + wn) * 8 + group];
+            softmax_state_merge(m, l, S, s.x, s.y, s.z);
+        }
+        if (row0 + r < N) partials[(int64_t)split * N + row0 + r] = make_float4(m, l, S, target_logit[r]);
+    }
+}
+
+/* One thread per row: fold the splits in increasing order, then finish logp / entropy / lse. */
+__global__ void linear_logp_merge_kernel(const float4 *__restrict__ partials, int64_t N, int64_t V, int splits,
+                                         const int64_t *__restrict__ target, int64_t ignore_index,
+                                         float *__restrict__ logp, float *__restrict__ entropy,
+                                         float *__restrict__ lse, int32_t *bad_target) {
+    const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    const int64_t t = target[n];
+    float out_logp, out_entropy, out_lse;
+    if (t == ignore_index) {
+        out_logp = out_entropy = out_lse = 0.0f;
+    } else if (t < 0 || t >= V) {
+        out_logp = out_entropy = out_lse = __int_as_float(0x7fc00000);
+        if (bad_target != nullptr) *bad_target = 1;
+    } else {
+        float m = LOGP_EMPTY_MAX, l = 0.0f, S = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float4 p = partials[(int64_t)s * N + n];
+            softmax_state_merge(m, l, S, p.x, p.y, p.z);
+        }
+        const float x_target = partials[(t / LOGP_SPLIT_COLS) * N + n].w;
+        const float log2_l = log2f(l);
+        out_logp = ((x_target - m) - log2_l) * LN2;
+        out_entropy = (log2_l - S / l) * LN2;
+        out_lse = (m + log2_l) * LN2;
+    }
+    logp[n] = out_logp;
+    lse[n] = out_lse;
+    if (entropy != nullptr) entropy[n] = out_entropy;
+}
+
+extern "C" int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V) {
+    return logp_splits(V) * N * (int64_t)sizeof(float4);
+}
+
+template <bool IS_BF16, bool ALIGNED>
+static cudaError_t launch_partial(const rlk_linear_logp_args *a, float4 *partials, dim3 grid, cudaStream_t stream) {
+    void (*kernel)(const uint16_t *, int64_t, const uint16_t *, int64_t, const uint16_t *, const int64_t *, int64_t,
+                   int, int, float, float4 *) = linear_logp_partial_kernel<IS_BF16, ALIGNED>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, LOGP_SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    kernel<<<grid, LOGP_THREADS, LOGP_SMEM_BYTES, stream>>>(
+        (const uint16_t *)a->hidden, a->ldh, (const uint16_t *)a->weight, a->ldw, (const uint16_t *)a->bias, a->target,
+        a->N, (int)a->D, (int)a->V, a->inv_temperature * LOG2E, partials);
+    return cudaGetLastError();
+}
+
+extern "C" int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, void *workspace, void *stream) {
+    if (args->dtype != RLK_BF16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
+    const int64_t splits = logp_splits(args->V);
+    if (args->D > INT32_MAX - LOGP_BK || args->V > INT32_MAX - LOGP_SPLIT_COLS || splits > 65535)
+        return RLK_UNSUPPORTED;
+    cudaStream_t s = (cudaStream_t)stream;
+    float4 *partials = (float4 *)workspace;
+    /* loader choice by layout only; both loaders produce identical shared-memory bytes */
+    const bool aligned = ((uintptr_t)args->hidden % 16 == 0) && ((uintptr_t)args->weight % 16 == 0) &&
+                         (args->ldh % 8 == 0) && (args->ldw % 8 == 0);
+    const dim3 grid((unsigned)((args->N + LOGP_BM - 1) / LOGP_BM), (unsigned)splits);
+    cudaError_t err;
+    if (args->dtype == RLK_BF16)
+        err = aligned ? launch_partial<true, true>(args, partials, grid, s) : launch_partial<true, false>(args, partials, grid, s);
+    else
+        err = aligned ? launch_partial<false, true>(args, partials, grid, s) : launch_partial<false, false>(args, partials, grid, s);
+    if (err != cudaSuccess) return (int)err;
+    const int threads = 256;
+    linear_logp_merge_kernel<<<(unsigned)((args->N + threads - 1) / threads), threads, 0, s>>>(
+        partials, args->N, args->V, (int)splits, args->target, args->ignore_index, args->logp, args->entropy,
+        args->lse, args->bad_target);
+    return (int)cudaGetLastError();
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * dlogits: elementwise backward of one (rows x cols) chunk.
+ * ------------------------------------------------------------------------------------------- */
+template <typename OutT>
+__device__ __forceinline__ OutT float_to_out(float v);
+template <>
+__device__ __forceinline__ float float_to_out<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 float_to_out<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half float_to_out<__half>(float v) { return __float2half_rn(v); }
+
+__device__ __forceinline__ void store4(float *p, const float v[4]) { *(float4 *)p = make_float4(v[0], v[1], v[2], v[3]); }
+__device__ __forceinline__ void store4(__nv_bfloat16 *p, const float v[4]) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+    uint2 u;
+    u.x = *(uint32_t *)&lo;
+    u.y = *(uint32_t *)&hi;
+    *(uint2 *)p = u;
+}
+__device__ __forceinline__ void store4(__half *p, const float v[4]) {
+    __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+    uint2 u;
+    u.x = *(uint32_t *)&lo;
+    u.y = *(uint32_t *)&hi;
+    *(uint2 *)p = u;
+}
+
+/* grid.x covers 4 columns per thread, grid.y strides over rows. VEC: rows of logits and dlogits
+ * allow 16-byte (fp32) / 8-byte (16-bit) accesses at every multiple of 4 columns. */
+template <typename OutT, bool VEC>
+__global__ void linear_logp_dlogits_kernel(rlk_linear_logp_dlogits_args a) {
+    const int64_t c0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (c0 >= a.cols) return;
+    OutT *out_base = (OutT *)a.dlogits;
+    for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
+        const float *z = a.logits + r * a.ld_logits + c0;
+        OutT *out = out_base + r * a.ld_dlogits + c0;
+        const int64_t t = a.target[r];
+        const int n_cols = (int)min((int64_t)4, a.cols - c0);
+        float d[4];
+        if (t == a.ignore_index) {
+            d[0] = d[1] = d[2] = d[3] = 0.0f;
+        } else {
+            const float g_logp = a.grad_logp != nullptr ? a.grad_logp[r] : 0.0f;
+            const float g_ent = a.grad_entropy != nullptr ? a.grad_entropy[r] : 0.0f;
+            const float lse = a.lse[r];
+            const float ent = a.entropy != nullptr ? a.entropy[r] : 0.0f;
+            const int64_t t_rel = t - a.v0 - c0;
+            float zv[4];
+            if (VEC && n_cols == 4) {
+                const float4 v = *(const float4 *)z;
+                zv[0] = v.x, zv[1] = v.y, zv[2] = v.z, zv[3] = v.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) zv[j] = j < n_cols ? z[j] : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float s = zv[j] * a.inv_temperature;
+                const float p = expf(s - lse);
+                const float onehot = t_rel == j ? 1.0f : 0.0f;
+                d[j] = (g_logp * (onehot - p) - g_ent * p * (s - lse + ent)) * a.inv_temperature;
+            }
+        }
+        if (VEC && n_cols == 4) {
+            store4(out, d);
+        } else {
+            for (int j = 0; j < n_cols; ++j) out[j] = float_to_out<OutT>(d[j]);
+        }
+    }
+}
+
+template <typename OutT>
+static cudaError_t launch_dlogits(const rlk_linear_logp_dlogits_args *a, cudaStream_t stream) {
+    const int threads = 256;
+    const int64_t out_align = sizeof(OutT) * 4;
+    const bool vec = ((uintptr_t)a->logits % 16 == 0) && (a->ld_logits % 4 == 0) &&
+                     ((uintptr_t)a->dlogits % out_align == 0) && (a->ld_dlogits % 4 == 0);
+    const dim3 grid((unsigned)((a->cols + threads * 4 - 1) / (threads * 4)), (unsigned)(a->rows < 65535 ? a->rows : 65535));
+    if (vec)
+        linear_logp_dlogits_kernel<OutT, true><<<grid, threads, 0, stream>>>(*a);
+    else
+        linear_logp_dlogits_kernel<OutT, false><<<grid, threads, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+extern "C" int rlk_linear_logp_dlogits_cuda(const rlk_linear_logp_dlogits_args *args, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    cudaError_t err;
+    switch (args->out_dtype) {
+    case RLK_F32: err = launch_dlogits<float>(args, s); break;
+    case RLK_BF16: err = launch_dlogits<__nv_bfloat16>(args, s); break;
+    case RLK_F16: err = launch_dlogits<__half>(args, s); break;
+    default: return RLK_UNSUPPORTED;
+    }
+    return (int)err;
+}
