@@ -69,7 +69,8 @@ class BuildExt(build_ext):
 
     def build_extension(self, ext):
         nvcc = find_nvcc()
-        cu_sources = sorted(CSRC.glob("cuda/*.cu")) if nvcc else []
+        cu_sources = sorted(p for p in CSRC.glob("cuda/*.cu") if not p.name.startswith(".")) \
+            if nvcc else []
         include = torch_include_dir()
         ext.include_dirs += [str(CSRC), include]
         if cu_sources:

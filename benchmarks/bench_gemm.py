@@ -142,6 +142,8 @@ def plot(records, backends, path):
         ax.set_title(f"K={k} N={n}")
         ax.set_xlabel("M")
         ax.set_ylabel("TFLOP/s")
+    for ax in list(axes.flat)[len(shapes):]:
+        ax.axis("off")
     axes.flat[0].legend()
     fig.suptitle(f"det_gemm vs cuBLAS, bf16, {device_name()}")
     fig.tight_layout()

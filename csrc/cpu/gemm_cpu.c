@@ -7,7 +7,8 @@
  * converted to fp32 and zero padded to whole micro-panels, then runs an MR x NR register
  * micro-kernel (AVX2 + FMA when the CPU has it, portable C otherwise) over them, with the B
  * micro-panel outer so it stays in L1. Each output's fp32 accumulator lives in a per-thread
- * MC x NC buffer between K blocks. The epilogue forms alpha * acc + beta * c and rounds once.
+ * MC x NC buffer between K blocks. The epilogue forms fmaf(beta, c, alpha * acc) in fp32 and
+ * rounds that once to out_dtype (fp64: the same in fp64).
  * fp64 is a plain blocked loop nest (gradcheck sizes), same reduction rule.
  *
  * Why batch-invariant: every output element is acc = fma(A[i, k], B[k, j], acc) for k = 0..K-1,

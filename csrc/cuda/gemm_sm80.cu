@@ -2,21 +2,23 @@
  *
  *   out[i, j] = alpha * sum_k A[i, k] * B[k, j] + beta * C[i, j]   (see rl_kernels.h for addressing)
  *
- * Tile plan (one plan for every problem): CTA tile BM x BN x BK = 128 x 128 x 32, 8 warps as
- * 2 (M) x 4 (N), warp tile 64 x 32 = 4 x 4 mma.sync.m16n8k16 (bf16/fp16 in, fp32 accumulate).
- * Operands go global -> shared with 16-byte cp.async in a 4-stage pipeline; each operand is kept in
- * shared memory in its global orientation (the contiguous global dimension is contiguous in shared
- * memory), rows padded by 16 bytes so ldmatrix (.trans for the M- or N-contiguous layouts) is free
- * of bank conflicts. Operands whose base or row stride is not 16-byte aligned take a predicated
- * element-wise load path (template flag VEC_LOADS = 0) inside the same kernel: only the loads
- * differ, the shared-memory image and the mma sequence are identical, so results are bitwise equal.
+ * Tile plan (one plan for every problem): CTA tile BM x BN x BK = 128 x 256 x 64, 8 warps as
+ * 2 (M) x 4 (N), warp tile 64 x 64 = 4 x 8 mma.sync.m16n8k16 (bf16/fp16 in, fp32 accumulate),
+ * one CTA per SM. Operands go global -> shared with 16-byte cp.async in a 3-stage pipeline
+ * (162 KB, fits the 164 KB of an A100 as well); each operand is kept in shared memory in its
+ * global orientation (the contiguous global dimension is contiguous in shared memory), rows
+ * padded by 16 bytes so ldmatrix (.trans for the M- or N-contiguous layouts) is free of bank
+ * conflicts. Fragments of the next k16 step are loaded while the current step's mma issue.
+ * Operands whose base or row stride is not 16-byte aligned take a predicated element-wise load
+ * path (template flag VEC_LOADS = 0) inside the same kernel: only the loads differ, the
+ * shared-memory image and the mma sequence are identical, so results are bitwise equal.
  * The epilogue stages the fp32 tile through shared memory and writes 8 consecutive outputs per
  * thread (16-byte stores where aligned), forming alpha * acc + beta * c in fp32, rounded once.
  * The grid is 1-D over output tiles, rastered in groups of 8 M-tiles so that neighbouring CTAs
- * share B and A tiles in L2 (no 65535 grid.y limit, N = 151936 is 1187 tiles).
+ * share B and A tiles in L2 (no 65535 grid.y limit; N = 151936 is 594 N-tiles).
  *
  * Batch invariance: the tile plan never depends on M; there is no split-K. Every output element
- * is accumulated over k-tiles 0, 1, ..., ceil(K / BK) - 1 and, inside a k-tile, over its two k16
+ * is accumulated over k-tiles 0, 1, ..., ceil(K / BK) - 1 and, inside a k-tile, over its k16
  * mma steps in order, with zero fill past K (which depends on K only). The mma sequence is the same
  * for every row, every position inside the tile and every CTA, so a row's bits do not depend on M,
  * on its position in the batch or on the alignment of the operands.
@@ -133,14 +135,13 @@ __device__ __forceinline__ void load_tile(T *smem_tile, const T *g, int64_t ld, 
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
     static_assert(CHUNKS % THREADS == 0, "tile chunks must divide evenly over the threads");
     if (VEC_LOADS) {
-        /* chunk i of this thread: row r0 + i * ROWS_PER_PASS, column c. The global row step is
-         * made opaque so that the compiler recomputes the addresses per k-tile instead of
-         * keeping one 64-bit offset per chunk live across the main loop (which spills). */
+        /* chunk i of this thread: row r0 + i * ROWS_PER_PASS, column c; the global address
+         * advances by one 64-bit step per chunk rather than keeping one offset per chunk live
+         * across the main loop (which spills next to the 128 accumulators) */
         constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
         static_assert(THREADS % CHUNKS_PER_ROW == 0, "a thread keeps one column of chunks");
         const int r0 = tid / CHUNKS_PER_ROW, c = (tid % CHUNKS_PER_ROW) * 8;
-        int64_t step = ROWS_PER_PASS * ld;
-        asm volatile("" : "+l"(step));
+        const int64_t step = ROWS_PER_PASS * ld;
         const T *src = g + r0 * ld + c;
         const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem_tile + r0 * (COLS + 8) + c);
 #pragma unroll
@@ -185,8 +186,8 @@ __host__ __device__ constexpr int b_stage_elems(void) {
 
 template <typename T, typename OutT, int A_TRANS, int B_TRANS, int VEC_LOADS, int BM, int BN, int BK,
           int WARPS_M, int WARPS_N, int STAGES>
-/* 128 x 128 tiles run 2 CTAs per SM on the 16-byte path; the element-wise path keeps 32 loads in
- * flight and gets the whole register file instead (it is the slow path either way). */
+/* Tiles smaller than 128 x 256 run 2 CTAs per SM on the 16-byte path; the element-wise path gets
+ * the whole register file (it is the slow path either way). */
 __global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, (BM * BN >= 128 * 256 || !VEC_LOADS) ? 1 : 2)
     gemm_sm80_kernel(int64_t M, int64_t N, int64_t K, const T *__restrict__ a, int64_t lda,
                      const T *__restrict__ b, int64_t ldb, const OutT *__restrict__ c, int64_t ldc,
@@ -194,7 +195,7 @@ __global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, (BM * BN >= 128 * 256 |
     constexpr int THREADS = WARPS_M * WARPS_N * 32;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N; /* warp tile */
     constexpr int MI = WM / 16, NI = WN / 8;             /* mma tiles per warp */
-    static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "bad tile plan");
+    static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0 && BK >= 32, "bad tile plan");
     constexpr int A_STAGE = a_stage_elems<BM, BK, A_TRANS>();
     constexpr int B_STAGE = b_stage_elems<BN, BK, B_TRANS>();
     constexpr int A_LD = A_TRANS ? BM + 8 : BK + 8; /* shared row strides in elements */
@@ -263,6 +264,21 @@ __global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, (BM * BN >= 128 * 256 |
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[mi][ni][e] = 0.0f;
 
+    /* fragments of k16 step ks of pipeline stage `stage`; B x4 loads cover two n8 mma tiles */
+    auto load_fragments = [&](uint32_t (&af)[MI][4], uint32_t (&bf)[NI][2], int stage, int ks) {
+        const uint32_t as_stage = as_base + 2 * (stage * A_STAGE + ks * A_K_STEP);
+        const uint32_t bs_stage = bs_base + 2 * (stage * B_STAGE + ks * B_K_STEP);
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++) ldmatrix_x4<A_TRANS>(af[mi], as_stage + 2 * mi * A_MI_STEP);
+#pragma unroll
+        for (int nj = 0; nj < NI / 2; nj++) {
+            uint32_t r[4];
+            ldmatrix_x4<!B_TRANS>(r, bs_stage + 2 * nj * B_NJ_STEP);
+            bf[2 * nj][0] = r[0]; bf[2 * nj][1] = r[1];
+            bf[2 * nj + 1][0] = r[2]; bf[2 * nj + 1][1] = r[3];
+        }
+    };
+
     const int num_k_tiles = (int)((K + BK - 1) / BK);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
@@ -273,36 +289,41 @@ __global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, (BM * BN >= 128 * 256 |
         cp_async_commit();
     }
 
-    /* mma order for every output element: k-tiles 0, 1, ... and k16 steps 0 .. BK/16 - 1 */
+    /* Software pipeline: fragments for the next k16 step are read from shared memory while the
+     * current step's mma run; the barrier sits before the last k16 step of a k-tile so that the
+     * first fragments of the next k-tile are already in flight when that step's mma issue. The
+     * mma order is k-tile 0, 1, ... and k16 steps 0 .. BK/16 - 1 within each. */
+    constexpr int KSTEPS = BK / 16;
+    constexpr int B_LOAD_STEP = KSTEPS > 2 ? 1 : 0;
+    uint32_t af[2][MI][4], bf[2][NI][2];
+    int read_stage = 0, write_stage = STAGES - 1;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    load_fragments(af[0], bf[0], 0, 0);
     for (int kt = 0; kt < num_k_tiles; kt++) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads(); /* stage kt % STAGES landed; stage (kt - 1) % STAGES is free */
-        if (kt + STAGES - 1 < num_k_tiles) {
-            load_next_a((kt + STAGES - 1) % STAGES);
-            load_next_b((kt + STAGES - 1) % STAGES);
-        }
-        cp_async_commit();
-
-        const int stage = kt % STAGES;
-        const uint32_t as_stage = as_base + 2 * stage * A_STAGE;
-        const uint32_t bs_stage = bs_base + 2 * stage * B_STAGE;
 #pragma unroll
-        for (int ks = 0; ks < BK / 16; ks++) {
-            uint32_t af[MI][4], bf[NI][2];
-#pragma unroll
-            for (int mi = 0; mi < MI; mi++)
-                ldmatrix_x4<A_TRANS>(af[mi], as_stage + 2 * (mi * A_MI_STEP + ks * A_K_STEP));
-#pragma unroll
-            for (int nj = 0; nj < NI / 2; nj++) { /* one x4 load covers two n8 mma tiles */
-                uint32_t r[4];
-                ldmatrix_x4<!B_TRANS>(r, bs_stage + 2 * (nj * B_NJ_STEP + ks * B_K_STEP));
-                bf[2 * nj][0] = r[0]; bf[2 * nj][1] = r[1];
-                bf[2 * nj + 1][0] = r[2]; bf[2 * nj + 1][1] = r[3];
+        for (int ks = 0; ks < KSTEPS; ks++) {
+            if (ks == KSTEPS - 1) {
+                /* k-tile kt + 1 has landed, and every warp is past its reads of the stage that
+                 * the next k-tile's ks == 0 step refills */
+                cp_async_wait<STAGES - 2>();
+                __syncthreads();
+                read_stage = (read_stage + 1) % STAGES;
+            }
+            load_fragments(af[(ks + 1) % 2], bf[(ks + 1) % 2], read_stage, (ks + 1) % KSTEPS);
+            /* refill the free stage, A and B in different k16 steps to spread the issue; the
+             * commit stays before the last step's wait (hence B_LOAD_STEP < KSTEPS - 1) */
+            const bool refill = kt + STAGES - 1 < num_k_tiles;
+            if (ks == 0 && refill) load_next_a(write_stage);
+            if (ks == B_LOAD_STEP) {
+                if (refill) load_next_b(write_stage);
+                cp_async_commit();
+                write_stage = (write_stage + 1) % STAGES;
             }
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int ni = 0; ni < NI; ni++) mma_16816(acc[mi][ni], af[mi], bf[ni], T());
+                for (int ni = 0; ni < NI; ni++) mma_16816(acc[mi][ni], af[ks % 2][mi], bf[ks % 2][ni], T());
         }
     }
 
