@@ -170,54 +170,44 @@ typedef struct gemm_call {
     void *stream;
 } gemm_call;
 
-static int run_gemm_batch_cpu(const gemm_call *call) {
+/* One launch per batch entry, in order; stops at the first error. */
+static int run_gemm_batches(const gemm_call *call,
+                            int (*launch)(const rlk_gemm_args *args, const gemm_call *call)) {
     rlk_gemm_args args = call->args;
     const size_t in_size = rlk_dtype_size(args.in_dtype), out_size = rlk_dtype_size(args.out_dtype);
-    const int threads = num_threads();
     for (int64_t batch = 0; batch < call->batch; batch++) {
         args.a = (const char *)call->args.a + batch * call->a_batch_stride * in_size;
         args.b = (const char *)call->args.b + batch * call->b_batch_stride * in_size;
         args.c = call->args.c ? (const char *)call->args.c + batch * call->c_batch_stride * out_size
                               : NULL;
         args.out = (char *)call->args.out + batch * call->out_batch_stride * out_size;
-        const int status = rlk_gemm_cpu(&args, threads);
+        const int status = launch(&args, call);
         if (status != RLK_OK) return status;
     }
     return RLK_OK;
+}
+
+static int launch_gemm_cpu(const rlk_gemm_args *args, const gemm_call *call) {
+    (void)call;
+    return rlk_gemm_cpu(args, num_threads());
 }
 
 #ifdef RLK_WITH_CUDA
 /* The fixed chain sm90 -> sm80 -> fp32 SIMT, starting at the requested backend. The first
  * launcher that does not answer RLK_UNSUPPORTED runs; the answer depends on dtypes, layouts and
  * strides only, so every M takes the same kernel. */
-static int launch_gemm_cuda(const rlk_gemm_args *args, int backend, void *stream) {
+static int launch_gemm_cuda(const rlk_gemm_args *args, const gemm_call *call) {
     int status = RLK_UNSUPPORTED;
 #ifdef RLK_HAVE_GEMM_SM90
-    if (backend == BACKEND_SM90) status = rlk_gemm_sm90(args, stream);
+    if (call->backend == BACKEND_SM90) status = rlk_gemm_sm90(args, call->stream);
 #endif
 #ifdef RLK_HAVE_GEMM_SM80
-    if (status == RLK_UNSUPPORTED) status = rlk_gemm_sm80(args, stream);
+    if (status == RLK_UNSUPPORTED) status = rlk_gemm_sm80(args, call->stream);
 #endif
 #ifdef RLK_HAVE_GEMM_FP32_SM80
-    if (status == RLK_UNSUPPORTED) status = rlk_gemm_fp32_simt(args, stream);
+    if (status == RLK_UNSUPPORTED) status = rlk_gemm_fp32_simt(args, call->stream);
 #endif
-    (void)backend;
     return status;
-}
-
-static int run_gemm_batch_cuda(const gemm_call *call) {
-    rlk_gemm_args args = call->args;
-    const size_t in_size = rlk_dtype_size(args.in_dtype), out_size = rlk_dtype_size(args.out_dtype);
-    for (int64_t batch = 0; batch < call->batch; batch++) {
-        args.a = (const char *)call->args.a + batch * call->a_batch_stride * in_size;
-        args.b = (const char *)call->args.b + batch * call->b_batch_stride * in_size;
-        args.c = call->args.c ? (const char *)call->args.c + batch * call->c_batch_stride * out_size
-                              : NULL;
-        args.out = (char *)call->args.out + batch * call->out_batch_stride * out_size;
-        const int status = launch_gemm_cuda(&args, call->backend, call->stream);
-        if (status != RLK_OK) return status;
-    }
-    return RLK_OK;
 }
 #endif
 
@@ -347,7 +337,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
         int status;
         if (backend == BACKEND_CPU) {
             Py_BEGIN_ALLOW_THREADS
-            status = run_gemm_batch_cpu(&call);
+            status = run_gemm_batches(&call, launch_gemm_cpu);
             Py_END_ALLOW_THREADS
         } else {
 #ifdef RLK_WITH_CUDA
@@ -356,7 +346,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
             if (enter_device(t[0].device.device_id, &previous) != 0) {
                 ok = 0;
             } else {
-                status = run_gemm_batch_cuda(&call);
+                status = run_gemm_batches(&call, launch_gemm_cuda);
                 leave_device(t[0].device.device_id, previous);
             }
 #else
