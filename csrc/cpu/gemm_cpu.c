@@ -18,7 +18,8 @@
  *
  * Build: gcc -O3 -std=c11 -fopenmp -ffp-contract=off -fPIC -shared -I csrc csrc/cpu/gemm_cpu.c
  *        (-DRLK_CPU_PORTABLE_ONLY drops the AVX2 micro-kernel; results are identical)
- * Test:  a ctypes driver comparing with torch in fp64, plus bitwise row-invariance checks.
+ * Test:  pip install --no-build-isolation -e . && pytest tests/test_gemm.py tests/test_invariance.py
+ *        tests/test_binding.py (fp64 references, bitwise row invariance, 1 vs 2 threads).
  */
 #include <math.h>
 #include <stdlib.h>

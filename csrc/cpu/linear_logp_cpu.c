@@ -20,7 +20,7 @@
  *
  * Build: gcc -O3 -std=c11 -fopenmp -ffp-contract=off -fPIC -shared -I csrc csrc/cpu/gemm_cpu.c \
  *            csrc/cpu/linear_logp_cpu.c
- * Test:  a ctypes driver comparing with torch in fp64, plus bitwise row-invariance checks.
+ * Test:  pip install --no-build-isolation -e . && pytest tests/test_linear_logp.py
  */
 #include <math.h>
 #include <stdlib.h>

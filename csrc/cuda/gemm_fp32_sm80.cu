@@ -19,7 +19,8 @@
  *   nvcc -shared -Xcompiler -fPIC -O3 -std=c++17 -lineinfo -Xptxas -v \
  *     -gencode arch=compute_80,code=sm_80 -gencode arch=compute_80,code=compute_80 \
  *     -gencode arch=compute_90,code=sm_90 csrc/cuda/gemm_fp32_sm80.cu -o libgemm_fp32.so
- * Test: .scratch/sm80/test_gemm.py (fp64 reference, layouts, odd shapes, bitwise row invariance).
+ * Test (GPU): python3 setup.py build_ext --inplace && pytest tests/test_gpu_gemm.py -m gpu
+ *   (or scripts/gpu_check.sh, which also runs compute-sanitizer and the benchmarks).
  */
 #include <cuda_runtime.h>
 #include <stdint.h>

@@ -27,8 +27,8 @@
  *   nvcc -shared -Xcompiler -fPIC -O3 -std=c++17 -lineinfo -Xptxas -v \
  *     -gencode arch=compute_80,code=sm_80 -gencode arch=compute_80,code=compute_80 \
  *     -gencode arch=compute_90,code=sm_90 csrc/cuda/gemm_sm80.cu -o libgemm_sm80.so
- * Test: .scratch/sm80/test_gemm.py (fp64 reference, layouts, odd shapes, bitwise row invariance,
- * aligned vs predicated loads, timings against torch.matmul).
+ * Test (GPU): python3 setup.py build_ext --inplace && pytest tests/test_gpu_gemm.py -m gpu
+ *   (or scripts/gpu_check.sh: tests, compute-sanitizer, benchmarks/bench_gemm.py).
  */
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>

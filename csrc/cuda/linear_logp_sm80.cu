@@ -33,7 +33,8 @@
  * Build: nvcc -O3 -std=c++17 -lineinfo -Xptxas -v -shared -Xcompiler -fPIC
  *          -gencode arch=compute_80,code=sm_80 -gencode arch=compute_80,code=compute_80
  *          -gencode arch=compute_90,code=sm_90 csrc/cuda/linear_logp_sm80.cu -o liblogp.so
- * Test:  .scratch/logp/drive.py (ctypes; fp64 torch reference, bitwise row-invariance, timing).
+ * Test (GPU): python3 setup.py build_ext --inplace && pytest tests/test_gpu_linear_logp.py -m gpu
+ *   (or scripts/gpu_check.sh: tests, compute-sanitizer, benchmarks/bench_linear_logp.py).
  */
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
