@@ -475,7 +475,14 @@ static PyObject *py_linear_logp_fwd(PyObject *self, PyObject *args) {
             int previous;
             if (ok && enter_device(t[0].device.device_id, &previous) == 0) {
                 p.bad_target = (int32_t *)(uintptr_t)bad_target_addr;
-                status = rlk_linear_logp_fwd_sm80(&p, t[7].data, (void *)(uintptr_t)stream);
+                void *cuda_stream = (void *)(uintptr_t)stream;
+                /* sm90 -> sm80, as for the GEMM: the choice depends on dtype, D and strides only */
+#ifdef RLK_HAVE_GEMM_SM90
+                if (backend == BACKEND_SM90)
+                    status = rlk_linear_logp_fwd_sm90(&p, t[7].data, cuda_stream);
+#endif
+                if (status == RLK_UNSUPPORTED)
+                    status = rlk_linear_logp_fwd_sm80(&p, t[7].data, cuda_stream);
                 leave_device(t[0].device.device_id, previous);
             } else {
                 ok = 0;

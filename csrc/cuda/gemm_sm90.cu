@@ -1,4 +1,5 @@
-/* gemm_sm90.cu: Hopper (sm_90a) batch-invariant GEMM, out = alpha * A @ B + beta * C (see rl_kernels.h).
+/* gemm_sm90.cu: Hopper (sm_90a) batch-invariant GEMM, out = alpha * A @ B + beta * C, and the fused
+ * linear_logp forward on the same main loop (see rl_kernels.h for both contracts).
  *
  * Tile plan. A persistent grid (one CTA per SM) walks output tiles of BM x BN in a grouped order that
  * keeps a band of A rows and B columns hot in L2. Inside a CTA, warpgroup 0 is the producer: one thread
@@ -11,24 +12,42 @@
  *   large config: BM = 128 (2 consumer warpgroups, setmaxnreg 232/40), BN = 256, 4 stages, clusters of
  *     2 CTAs on vertically adjacent tiles, each CTA loading half of the shared B tile multicast to both.
  *   medium config: the same with BN = 128, 6 stages.
- *   small config: BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster: M <= 64 (decode),
- *     and otherwise whichever config a waves x cycles-per-tile estimate finds fastest.
+ *   small config: BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster.
+ *   narrow configs: BM = 64, BN = 32 / 16 (16 / 20 stages), K-major B only.
+ *   M <= 64 (decode) takes the narrowest 64-row config whose tiles still fit in one wave; larger M
+ *   whichever of the first three a waves x cycles-per-tile estimate finds fastest.
+ *
+ * linear_logp (LOGP kernels): the product hidden [N, D] @ weight[V, D]^T on the medium config, each
+ * k-slice group of LOGP_CHAIN = 4 (256 of D) a fresh wgmma chain added into the logits with an fp32 FADD
+ * (mma_tile: the tensor cores' accumulator adds truncate, 3.2e-4 logp error over D = 4096 with one long
+ * chain, 2e-5 with these). A work item is (128-row tile, vocabulary split of LOGP_SPLIT_COLS = 1024
+ * columns = 8 tiles walked in increasing order); instead of storing a tile, each consumer folds it into
+ * per-row online-softmax states (max, sum 2^(x - max), sum 2^(x - max) (x - max), target logit, log2
+ * units) held in registers, written as one float4 per (split, row) to the workspace at the end of the
+ * split. linear_logp_merge_kernel (linear_logp_common.cuh) folds a row's splits in increasing order.
  *
  * Batch invariance. Every output element is produced by the same instruction sequence whatever the
  * config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
  * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
  * filled by TMA, adding exact zeros), then one fused alpha/beta epilogue with explicit __fmaf_rn /
- * __fmul_rn. The wgmma N width (256 or 64) and the row offset inside the tile do not change an
- * element's arithmetic; .scratch/sm90/test_sm90.py checks this bitwise on the GPU (rows r0..r0+m of
+ * __fmul_rn. The wgmma N width (256 to 16) and the row offset inside the tile do not change an
+ * element's arithmetic; .scratch/sm90b/test_sm90.py checks this bitwise on the GPU (rows r0..r0+m of
  * a[:m] @ b equal the same rows of the M = 4096 product, m = 1, 3, 17, 64, 129, 512, 1000, r0 = 0, 77,
- * which exercises all three configs). No split-K, no atomics.
+ * N = 1024 / 4096 / 151936, which exercises all five configs). linear_logp: the chain boundaries depend
+ * on D, the tiles and splits on V, every fold and merge runs in a fixed order, so a row's results do
+ * not depend on N or its position (.scratch/sm90b/test_logp_sm90.py: torch.equal for rows of N = 1, 3,
+ * 17, 129, 1000 at six offsets vs N = 4096). No split-K, no atomics.
  *
  * Limits (-> RLK_UNSUPPORTED, the caller falls back to sm80): in/out dtypes other than bf16/fp16 in
  * and in-dtype/fp32 out; A or B base address not 16-byte aligned or row stride not a multiple of 16
  * bytes (TMA descriptor rules); N or K >= 2^31. C and out may have any alignment and stride.
+ * linear_logp additionally needs D a multiple of 8.
  *
  * Build: nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Xptxas -v
- *        -shared -Xcompiler -fPIC gemm_sm90.cu -o libgemm_sm90.so   (driver: .scratch/sm90/test_sm90.py)
+ *        -shared -Xcompiler -fPIC gemm_sm90.cu -o libgemm_sm90.so
+ * Test (GPU): python3 setup.py build_ext --inplace && pytest tests/test_gpu_gemm.py tests/test_gpu_linear_logp.py
+ *   -m gpu (or scripts/gpu_check.sh); the ctypes drivers behind the numbers in .scratch/sm90b/perf-notes.md
+ *   are .scratch/sm90b/test_sm90.py (regress, miniperf) and .scratch/sm90b/test_logp_sm90.py.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -39,15 +58,12 @@
 #include <string.h>
 
 #include "../rl_kernels.h"
+#include "linear_logp_common.cuh"
 
 #define BK 64                 /* k-slice per stage: 64 16-bit elements = one 128-byte swizzle row */
 #define GROUP_M 16            /* tile order: bands of GROUP_M row tiles sweep all column tiles in turn */
 #define SMEM_ALIGN 1024       /* 128-byte swizzle atoms repeat every 8 rows x 128 bytes */
-#define LOGP_SPLIT_COLS 1024  /* linear_logp: vocabulary columns per split (one partial state per row) */
-#ifndef LOGP_CHAINS
-#define LOGP_CHAINS 2           /* mma_tile mode of the linear_logp kernels */
-#endif
-#define LOGP_EMPTY_MAX (-1e30f) /* max of an empty softmax state: finite so that (m - m') * 0 stays 0 */
+#define LOGP_CHAIN 4            /* linear_logp: k-slices per fresh wgmma chain (see mma_tile) */
 
 typedef struct gemm_sm90_params {
     int M, N, k_tiles;
@@ -294,11 +310,58 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a,
 }
 
 
+// d[64 x 32] (+)= A[64 x 16] * B[16 x 32], both operands from shared memory (descriptors);
+// accumulate = 0 overwrites d (wgmma scale-d).
+template <bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+    if constexpr (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+                     "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+                     "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// d[64 x 16] (+)= A[64 x 16] * B[16 x 16], both operands from shared memory (descriptors);
+// accumulate = 0 overwrites d (wgmma scale-d).
+template <bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+    if constexpr (BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7"
+                     "}, %8, %9, p, 1, 1, %11, %12;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7"
+                     "}, %8, %9, p, 1, 1, %11, %12;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+
 template <int BN, bool BF16, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
     if constexpr (BN == 256) wgmma_m64n256k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else if constexpr (BN == 128) wgmma_m64n128k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
-    else wgmma_m64n64k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else if constexpr (BN == 64) wgmma_m64n64k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else if constexpr (BN == 32) wgmma_m64n32k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else wgmma_m64n16k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
 }
 
 /* ------------------------------------ epilogue ---------------------------------------------- */
@@ -375,16 +438,6 @@ __device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
     else return __half2float(__ushort_as_half(bits));
 }
 
-/* Online-softmax state (m, l, S) in log2 units x = s * log2(e): m the running max, l = sum 2^(x - m),
- * S = sum 2^(x - m) (x - m). Folds (m2, l2, S2) into (m, l, S); empty: m = LOGP_EMPTY_MAX, l = S = 0. */
-__device__ __forceinline__ void softmax_state_merge(float &m, float &l, float &S, float m2, float l2, float S2) {
-    const float m_new = fmaxf(m, m2);
-    const float a = exp2f(m - m_new), b = exp2f(m2 - m_new);
-    S = a * fmaf(m - m_new, l, S) + b * fmaf(m2 - m_new, l2, S2);
-    l = fmaf(a, l, b * l2);
-    m = m_new;
-}
-
 /* Per-thread softmax states of the two rows a consumer thread holds in the wgmma accumulator layout
  * (rows 16w + l/4 and + 8 of its warpgroup's 64; the quad of lanes sharing a row keeps identical copies). */
 typedef struct logp_row_states {
@@ -406,17 +459,13 @@ __device__ __forceinline__ void logp_states_init(logp_row_states &st, int row0, 
     }
 }
 
-/* Folds one consumer warpgroup's 64 x BN logits tile d (columns col0 ..) into the row states: each
- * thread scales its BN/4 values of a row (x = acc * scale_log2 + bias * scale_log2, -inf past V), the
- * quad reduces max, then sum 2^(x - max) and sum 2^(x - max) (x - max) with xor shuffles (a + b == b + a,
- * so all four lanes get the same bits), and the tile's state is merged into the running one. */
+/* bias * scale_log2 for the thread's columns of the tile at col0 (-inf past V), loaded before the tile's
+ * k loop so that the loads' latency hides behind it. */
 template <int BN, bool BF16>
-__device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], int col0, logp_row_states &st,
-                                                 const gemm_sm90_params &p, const logp_sm90_params &lp) {
-    const int t = threadIdx.x % 128;
-    const int col_lane = col0 + 2 * (t % 4);  /* column of d[0] */
+__device__ __forceinline__ void load_bias_log2(float (&bias_log2)[BN / 8][2], int col0, const gemm_sm90_params &p,
+                                               const logp_sm90_params &lp) {
+    const int col_lane = col0 + 2 * (threadIdx.x % 4);  /* column of d[0] */
     const uint16_t *bias = (const uint16_t *)lp.bias;
-    float bias_log2[BN / 8][2];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
@@ -425,6 +474,16 @@ __device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], int c
             const float b = (bias != nullptr && col < p.N) ? half_bits_to_float<BF16>(__ldg(bias + col)) : 0.f;
             bias_log2[j][e] = col < p.N ? b * lp.scale_log2 : -INFINITY;
         }
+}
+
+/* Folds one consumer warpgroup's 64 x BN logits tile d (columns col0 ..) into the row states: each
+ * thread scales its BN/4 values of a row (x = acc * scale_log2 + bias * scale_log2, -inf past V), the
+ * quad reduces max, then sum 2^(x - max) and sum 2^(x - max) (x - max) with xor shuffles (a + b == b + a,
+ * so all four lanes get the same bits), and the tile's state is merged into the running one. */
+template <int BN>
+__device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], const float (&bias_log2)[BN / 8][2],
+                                                 int col0, logp_row_states &st, const logp_sm90_params &lp) {
+    const int col_lane = col0 + 2 * (threadIdx.x % 4);  /* column of d[0] */
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float x[BN / 8][2];
@@ -529,71 +588,47 @@ __device__ __forceinline__ void issue_k_slice(float (&d)[BN / 2], int s, uint32_
     fence_accumulators(d);
 }
 
-/* d += chain with round-to-nearest fp32 adds, once chain's wgmmas (all but the newest PENDING groups) are
- * done; then frees the chain's stage. */
-template <int BN, int CLUSTER, int PENDING>
-__device__ __forceinline__ void add_chain(float (&d)[BN / 2], float (&chain)[BN / 2], uint32_t stage_empty_bar,
-                                          int cta_rank) {
-    wgmma_wait<PENDING>();
-    fence_accumulators(chain);
-    if (threadIdx.x % 32 == 0) release_stage<CLUSTER>(stage_empty_bar, cta_rank);
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) d[i] = __fadd_rn(d[i], chain[i]);
-}
-
 /* One consumer warpgroup's k loop over one tile: d = its 64 rows (A at a_rows) times the BN columns.
- * it counts k-slices through the stage ring across tiles.
- * CHAINS = 0 (GEMM): every k16 step accumulates into d; the next stage's wgmmas overlap the wait for the
- * previous stage's.
- * CHAINS = 1, 2 (linear_logp): each 64-wide k-slice is a fresh 4-step wgmma chain from zero, added into d
- * with an fp32 FADD: the tensor cores' accumulator adds truncate, which over a 4096-long chain biases a
- * logit of ~30 by ~1e-4 (perf-notes), and short chains plus round-to-nearest adds remove that. With 2,
- * two chain buffers alternate so that a slice's wgmmas overlap the previous slice's wait and FADDs (same
- * adds in the same order as 1).
+ * it counts k-slices through the stage ring across tiles; each stage is freed once the wgmmas reading it
+ * are done, keeping one k-slice of wgmmas in flight while waiting for the previous one.
+ * CHAIN = 0 (GEMM): every k16 step accumulates into d.
+ * CHAIN = c > 0 (linear_logp): every c consecutive 64-wide k-slices form a fresh wgmma chain from zero,
+ * added into d with a round-to-nearest fp32 FADD. The tensor cores' accumulator adds truncate, which over
+ * one 4096-long chain gave 3.2e-4 logp error at logits up to ~50 (.scratch/sm90b/perf-notes.md); chains
+ * of 1, 2 or 4 slices gave ~2e-5, and 4 hides the FADDs (a chain per slice cost 25% of the time).
  * Every order here depends on K alone. */
-template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, int CHAINS>
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, int CHAIN>
 __device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_tiles, int &it, uint32_t a_rows, uint32_t b_smem,
                                          uint32_t full_bar, uint32_t empty_bar, int cta_rank) {
+    const bool warp_leader = threadIdx.x % 32 == 0;
+    float chain[CHAIN > 0 ? BN / 2 : 1];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-    if constexpr (CHAINS == 0) {
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-            const int s = it % STAGES;
-            mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
-            issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(d, s, a_rows, b_smem, 1);
-            /* keep this stage's wgmmas in flight; the previous stage's are done -> free its buffer */
-            wgmma_wait<1>();
-            if (kt > 0 && threadIdx.x % 32 == 0) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
-        }
-        wgmma_wait<0>();
-        fence_accumulators(d);
-        if (k_tiles > 0 && threadIdx.x % 32 == 0) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
-    } else if constexpr (CHAINS == 1) {
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-            const int s = it % STAGES;
-            float chain[BN / 2];
-            mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
-            issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain, s, a_rows, b_smem, 0);
-            add_chain<BN, CLUSTER, 0>(d, chain, empty_bar + 8 * s, cta_rank);
-        }
-    } else {
-        float chain0[BN / 2], chain1[BN / 2];
-        for (int kt = 0; kt < k_tiles; kt += 2, it += 2) {
-            const int s0 = it % STAGES, s1 = (it + 1) % STAGES;
-            mbar_wait(full_bar + 8 * s0, (it / STAGES) & 1);
-            issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain0, s0, a_rows, b_smem, 0);
-            if (kt > 0) add_chain<BN, CLUSTER, 1>(d, chain1, empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
-            if (kt + 1 < k_tiles) {
-                mbar_wait(full_bar + 8 * s1, ((it + 1) / STAGES) & 1);
-                issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain1, s1, a_rows, b_smem, 0);
-                add_chain<BN, CLUSTER, 1>(d, chain0, empty_bar + 8 * s0, cta_rank);
-            } else {
-                add_chain<BN, CLUSTER, 0>(d, chain0, empty_bar + 8 * s0, cta_rank);
+    bool prev_busy = false;  /* the previous k-slice's stage still awaits release */
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % STAGES;
+        mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
+        if constexpr (CHAIN > 0) issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain, s, a_rows, b_smem, kt % CHAIN != 0);
+        else issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(d, s, a_rows, b_smem, 1);
+        /* keep this k-slice's wgmmas in flight; the previous one's are done -> free its stage */
+        wgmma_wait<1>();
+        if (prev_busy && warp_leader) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
+        prev_busy = true;
+        if constexpr (CHAIN > 0) {
+            if (kt % CHAIN == CHAIN - 1 || kt == k_tiles - 1) {
+                wgmma_wait<0>();
+                fence_accumulators(chain);
+                if (warp_leader) release_stage<CLUSTER>(empty_bar + 8 * s, cta_rank);
+                prev_busy = false;
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) d[i] = __fadd_rn(d[i], chain[i]);
             }
         }
-        if (k_tiles % 2 == 1) --it;  /* the last pair had one slice */
-        else if (k_tiles > 0) add_chain<BN, CLUSTER, 0>(d, chain1, empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
     }
+    /* unconditional: a wgmma wait inside a branch made ptxas serialize every wgmma (C7518) */
+    wgmma_wait<0>();
+    fence_accumulators(d);
+    if (prev_busy && warp_leader) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
 }
 
 /* A_MN: A is MN-major in memory (a_trans = 1); B_MN: B is MN-major (b_trans = 0). CLUSTER = 2: the two
@@ -695,9 +730,11 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                 logp_states_init(st, row0, p, lp);
                 const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
                 for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
-                    mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, LOGP_CHAINS>(d, p.k_tiles, it, a_rows, b_smem,
+                    float bias_log2[BN / 8][2];
+                    load_bias_log2<BN, BF16>(bias_log2, n_blk * BN, p, lp);
+                    mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, LOGP_CHAIN>(d, p.k_tiles, it, a_rows, b_smem,
                                                                                             full_bar, empty_bar, cta_rank);
-                    fold_logits_tile<BN, BF16>(d, n_blk * BN, st, p, lp);
+                    fold_logits_tile<BN>(d, bias_log2, n_blk * BN, st, lp);
                 }
                 store_partials(st, row0, n_unit, p, lp);
             } else {
@@ -747,8 +784,7 @@ static bool make_tensor_map(CUtensorMap *map, bool bf16, const void *base, int64
 
 template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, typename OutT, bool LOGP>
 static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const logp_sm90_params &lp, int device,
-                            int num_sms,
-                            cudaStream_t stream) {
+                            int num_sms, cudaStream_t stream) {
     constexpr int BM = 64 * CONSUMERS;
     /* K-major A with a single 64-row tile: load only the rows that exist (rounded up to 8); the rows past
      * the box keep stale shared memory, which only reaches accumulator rows that are never stored. */
@@ -808,20 +844,26 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
 
 /* The tile configs. All of them compute every output element with the same k16 wgmma sequence, so the
  * choice among them is a performance choice only (bitwise-equal rows are tested across them). */
-enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, NUM_CONFIGS };
-static const int config_bm[NUM_CONFIGS] = {128, 128, 64};
-static const int config_bn[NUM_CONFIGS] = {256, 128, 64};
+enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_NARROW32, CONFIG_NARROW16 };
+static const int config_bm[CONFIG_SMALL + 1] = {128, 128, 64};
+static const int config_bn[CONFIG_SMALL + 1] = {256, 128, 64};
 /* Estimated SM cycles per k16 step of one tile (measured order of magnitude on H100): two m64n256 wgmmas
  * at ~80% of peak, two m64n128, one latency-bound m64n64 chain. */
-static const int config_cycles[NUM_CONFIGS] = {320, 170, 100};
+static const int config_cycles[CONFIG_SMALL + 1] = {320, 170, 100};
 
-/* Up to 64 rows: the 64-row tiles (128-row tiles would mostly multiply zero-filled rows). Otherwise the
- * fewest estimated cycles: waves of tiles x cycles per tile. */
-static int choose_config(int64_t M, int64_t N, int num_sms) {
-    if (M <= 64) return CONFIG_SMALL;
+/* Up to 64 rows (decode): 64-row tiles (128-row tiles would mostly multiply zero-filled rows). Each tile is
+ * one latency-bound chain of K/16 wgmmas, so the narrowest tiles that still fit in one wave spread N over
+ * the most SMs (K-major B only: an MN-major B box is 64 columns wide). Otherwise the fewest estimated
+ * cycles among the first three: waves of tiles x cycles per tile. */
+static int choose_config(int64_t M, int64_t N, bool b_mn, int num_sms) {
+    if (M <= 64) {
+        if (!b_mn && (N + 15) / 16 <= num_sms) return CONFIG_NARROW16;
+        if (!b_mn && (N + 31) / 32 <= num_sms) return CONFIG_NARROW32;
+        return CONFIG_SMALL;
+    }
     int best = CONFIG_LARGE;
     int64_t best_cost = INT64_MAX;
-    for (int c = 0; c < NUM_CONFIGS; ++c) {
+    for (int c = 0; c <= CONFIG_SMALL; ++c) {
         const int64_t tiles = ((M + config_bm[c] - 1) / config_bm[c]) * ((N + config_bn[c] - 1) / config_bn[c]);
         const int64_t cost = (tiles + num_sms - 1) / num_sms * config_cycles[c];
         if (cost < best_cost) {
@@ -839,6 +881,12 @@ static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_
         return launch_gemm_sm90<256, 2, 4, 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
     if (config == CONFIG_MEDIUM)
         return launch_gemm_sm90<128, 2, 6, 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+    if constexpr (!B_MN) {
+        if (config == CONFIG_NARROW32)
+            return launch_gemm_sm90<32, 1, 16, 1, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+        if (config == CONFIG_NARROW16)
+            return launch_gemm_sm90<16, 1, 20, 1, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+    }
     return launch_gemm_sm90<64, 1, 12, 1, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
 }
 
@@ -888,7 +936,7 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, void *stream) {
     p.c_pairs_aligned = args->c != nullptr && pairs_aligned(args->c, args->ldc, out_bytes);
     p.out_pairs_aligned = pairs_aligned(args->out, args->ldo, out_bytes);
 
-    const int config = choose_config(args->M, args->N, num_sms);
+    const int config = choose_config(args->M, args->N, !args->b_trans, num_sms);
 
     cudaStream_t s = (cudaStream_t)stream;
     if (args->in_dtype == RLK_BF16)
@@ -900,38 +948,6 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, void *stream) {
 
 
 /* ------------------------------------ linear_logp forward ----------------------------------- */
-
-/* One thread per row: fold the splits in increasing order, then finish logp / entropy / lse. */
-__global__ void logp_sm90_merge_kernel(const float4 *__restrict__ partials, int64_t N, int64_t V, int splits,
-                                       const int64_t *__restrict__ target, int64_t ignore_index,
-                                       float *__restrict__ logp, float *__restrict__ entropy, float *__restrict__ lse,
-                                       int32_t *bad_target) {
-    const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= N) return;
-    const float LN2 = 0.6931471805599453f;
-    const int64_t t = target[n];
-    float out_logp, out_entropy, out_lse;
-    if (t == ignore_index) {
-        out_logp = out_entropy = out_lse = 0.0f;
-    } else if (t < 0 || t >= V) {
-        out_logp = out_entropy = out_lse = __int_as_float(0x7fc00000);
-        if (bad_target != nullptr) *bad_target = 1;
-    } else {
-        float m = LOGP_EMPTY_MAX, l = 0.0f, S = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const float4 part = partials[(int64_t)s * N + n];
-            softmax_state_merge(m, l, S, part.x, part.y, part.z);
-        }
-        const float x_target = partials[(t / LOGP_SPLIT_COLS) * N + n].w;
-        const float log2_l = log2f(l);
-        out_logp = ((x_target - m) - log2_l) * LN2;
-        out_entropy = (log2_l - S / l) * LN2;
-        out_lse = (m + log2_l) * LN2;
-    }
-    logp[n] = out_logp;
-    lse[n] = out_lse;
-    if (entropy != nullptr) entropy[n] = out_entropy;
-}
 
 /* The medium tile config (BM = BN = 128, 2-CTA clusters): fresh per-k-slice chains need a second set of
  * accumulator registers, which the 128 x 256 config cannot afford. 8 tiles per vocabulary split. */
@@ -970,16 +986,11 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *
     lp.bias = args->bias;
     lp.target = args->target;
     lp.partials = (float4 *)workspace;
-    lp.scale_log2 = args->inv_temperature * 1.4426950408889634f;
+    lp.scale_log2 = args->inv_temperature * LOG2E;
 
     cudaStream_t s = (cudaStream_t)stream;
     const int rc = bf16 ? launch_gemm_sm90<128, 2, 6, 2, false, false, true, float, true>(&g, p, lp, device, num_sms, s)
                         : launch_gemm_sm90<128, 2, 6, 2, false, false, false, float, true>(&g, p, lp, device, num_sms, s);
     if (rc != RLK_OK) return rc;
-    const int splits = (int)((args->V + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS);
-    const int threads = 256;
-    logp_sm90_merge_kernel<<<(unsigned)((args->N + threads - 1) / threads), threads, 0, s>>>(
-        lp.partials, args->N, args->V, splits, args->target, args->ignore_index, args->logp, args->entropy, args->lse,
-        args->bad_target);
-    return (int)cudaGetLastError();
+    return launch_linear_logp_merge(args, lp.partials, s);
 }

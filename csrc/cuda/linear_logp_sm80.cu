@@ -43,6 +43,7 @@
 #include <math.h>
 
 #include "../rl_kernels.h"
+#include "linear_logp_common.cuh"
 
 #define LOGP_BM 128             /* rows per CTA tile */
 #define LOGP_BN 256             /* vocabulary columns per CTA tile */
@@ -51,9 +52,7 @@
 #define LOGP_CHAIN_K 32         /* D length of one mma accumulation chain before an fp32 add */
 #define LOGP_THREADS 256
 #define LOGP_TILES_PER_SPLIT 4
-#define LOGP_SPLIT_COLS (LOGP_BN * LOGP_TILES_PER_SPLIT)
 #define LOGP_ROW_SLOTS 8        /* rows per thread in the mma fragments: 4 m16 tiles x 2 halves */
-#define LOGP_EMPTY_MAX (-1e30f) /* max of an empty state: finite so that (m - m') * 0 stays 0 */
 
 #define LOGP_A_STAGE_BYTES (LOGP_BM * LOGP_BK * 2)
 #define LOGP_B_STAGE_BYTES (LOGP_BN * LOGP_BK * 2)
@@ -61,10 +60,7 @@
 #define LOGP_STATE_COUNT (LOGP_ROW_SLOTS * (LOGP_THREADS / 32) * 8) /* (slot, warp, lane group) */
 #define LOGP_SMEM_BYTES (LOGP_STAGES * LOGP_STAGE_BYTES + LOGP_STATE_COUNT * 16 + LOGP_BM * 8)
 
-static const float LOG2E = 1.4426950408889634f;
-static const float LN2 = 0.6931471805599453f;
-
-static int64_t logp_splits(int64_t V) { return (V + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS; }
+static_assert(LOGP_BN * LOGP_TILES_PER_SPLIT == LOGP_SPLIT_COLS, "a split is whole tiles");
 
 /* ---------------------------------------------------------------------------------------------
  * PTX wrappers
@@ -128,16 +124,6 @@ template <bool IS_BF16>
 __device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
     if (IS_BF16) return __uint_as_float((uint32_t)bits << 16);
     return __half2float(__ushort_as_half(bits));
-}
-
-/* Online-softmax state (m, l, S) in log2 units: l = sum 2^(x - m), S = sum 2^(x - m) (x - m).
- * Folds (m2, l2, S2) into (m, l, S). Empty states have m = LOGP_EMPTY_MAX, l = S = 0. */
-__device__ __forceinline__ void softmax_state_merge(float &m, float &l, float &S, float m2, float l2, float S2) {
-    const float m_new = fmaxf(m, m2);
-    const float a = exp2f(m - m_new), b = exp2f(m2 - m_new);
-    S = a * fmaf(m - m_new, l, S) + b * fmaf(m2 - m_new, l2, S2);
-    l = fmaf(a, l, b * l2);
-    m = m_new;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -394,37 +380,6 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
     }
 }
 
-/* One thread per row: fold the splits in increasing order, then finish logp / entropy / lse. */
-__global__ void linear_logp_merge_kernel(const float4 *__restrict__ partials, int64_t N, int64_t V, int splits,
-                                         const int64_t *__restrict__ target, int64_t ignore_index,
-                                         float *__restrict__ logp, float *__restrict__ entropy,
-                                         float *__restrict__ lse, int32_t *bad_target) {
-    const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= N) return;
-    const int64_t t = target[n];
-    float out_logp, out_entropy, out_lse;
-    if (t == ignore_index) {
-        out_logp = out_entropy = out_lse = 0.0f;
-    } else if (t < 0 || t >= V) {
-        out_logp = out_entropy = out_lse = __int_as_float(0x7fc00000);
-        if (bad_target != nullptr) *bad_target = 1;
-    } else {
-        float m = LOGP_EMPTY_MAX, l = 0.0f, S = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const float4 p = partials[(int64_t)s * N + n];
-            softmax_state_merge(m, l, S, p.x, p.y, p.z);
-        }
-        const float x_target = partials[(t / LOGP_SPLIT_COLS) * N + n].w;
-        const float log2_l = log2f(l);
-        out_logp = ((x_target - m) - log2_l) * LN2;
-        out_entropy = (log2_l - S / l) * LN2;
-        out_lse = (m + log2_l) * LN2;
-    }
-    logp[n] = out_logp;
-    lse[n] = out_lse;
-    if (entropy != nullptr) entropy[n] = out_entropy;
-}
-
 extern "C" int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V) {
     return logp_splits(V) * N * (int64_t)sizeof(float4);
 }
@@ -458,11 +413,7 @@ extern "C" int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, void *
     else
         err = aligned ? launch_partial<false, true>(args, partials, grid, s) : launch_partial<false, false>(args, partials, grid, s);
     if (err != cudaSuccess) return (int)err;
-    const int threads = 256;
-    linear_logp_merge_kernel<<<(unsigned)((args->N + threads - 1) / threads), threads, 0, s>>>(
-        partials, args->N, args->V, (int)splits, args->target, args->ignore_index, args->logp, args->entropy,
-        args->lse, args->bad_target);
-    return (int)cudaGetLastError();
+    return launch_linear_logp_merge(args, partials, s);
 }
 
 /* ---------------------------------------------------------------------------------------------

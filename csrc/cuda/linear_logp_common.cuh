@@ -1,0 +1,83 @@
+/* linear_logp_common.cuh: what the fused linear_logp forwards (linear_logp_sm80.cu on mma.sync,
+ * gemm_sm90.cu on wgmma) share: the vocabulary split, the online-softmax state, and the kernel
+ * that merges a row's split partials.
+ *
+ * Partial state of (split, row), in log2 units x = s * log2(e): float4 {m, l, S, x_target} with
+ * m the running max, l = sum 2^(x - m), S = sum 2^(x - m) (x - m), x_target the target's logit when
+ * the target falls in the split. workspace[split * N + row]; splits = ceil(V / LOGP_SPLIT_COLS),
+ * a function of V only, merged per row in increasing order: the result does not depend on N.
+ *
+ * Everything here has internal linkage: each .cu file that includes it gets its own copy.
+ */
+#ifndef RLK_LINEAR_LOGP_COMMON_CUH_
+#define RLK_LINEAR_LOGP_COMMON_CUH_
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../rl_kernels.h"
+
+#define LOGP_SPLIT_COLS 1024    /* vocabulary columns per split: one partial state per row */
+#define LOGP_EMPTY_MAX (-1e30f) /* max of an empty state: finite so that (m - m') * 0 stays 0 */
+
+static const float LOG2E = 1.4426950408889634f;
+static const float LN2 = 0.6931471805599453f;
+
+static inline int64_t logp_splits(int64_t V) { return (V + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS; }
+
+/* Folds (m2, l2, S2) into (m, l, S). Empty states have m = LOGP_EMPTY_MAX, l = S = 0. */
+static __device__ __forceinline__ void softmax_state_merge(float &m, float &l, float &S, float m2,
+                                                           float l2, float S2) {
+    const float m_new = fmaxf(m, m2);
+    const float a = exp2f(m - m_new), b = exp2f(m2 - m_new);
+    S = a * fmaf(m - m_new, l, S) + b * fmaf(m2 - m_new, l2, S2);
+    l = fmaf(a, l, b * l2);
+    m = m_new;
+}
+
+/* One thread per row: fold the splits in increasing order, then finish logp / entropy / lse.
+ * Ignored rows give 0, 0, 0; an out-of-range target gives NaN and stores 1 to *bad_target. */
+static __global__ void linear_logp_merge_kernel(const float4 *__restrict__ partials, int64_t N,
+                                                int64_t V, int splits,
+                                                const int64_t *__restrict__ target,
+                                                int64_t ignore_index, float *__restrict__ logp,
+                                                float *__restrict__ entropy,
+                                                float *__restrict__ lse, int32_t *bad_target) {
+    const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    const int64_t t = target[n];
+    float out_logp, out_entropy, out_lse;
+    if (t == ignore_index) {
+        out_logp = out_entropy = out_lse = 0.0f;
+    } else if (t < 0 || t >= V) {
+        out_logp = out_entropy = out_lse = __int_as_float(0x7fc00000);
+        if (bad_target != nullptr) *bad_target = 1;
+    } else {
+        float m = LOGP_EMPTY_MAX, l = 0.0f, S = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float4 p = partials[(int64_t)s * N + n];
+            softmax_state_merge(m, l, S, p.x, p.y, p.z);
+        }
+        const float x_target = partials[(t / LOGP_SPLIT_COLS) * N + n].w;
+        const float log2_l = log2f(l);
+        out_logp = ((x_target - m) - log2_l) * LN2;
+        out_entropy = (log2_l - S / l) * LN2;
+        out_lse = (m + log2_l) * LN2;
+    }
+    logp[n] = out_logp;
+    lse[n] = out_lse;
+    if (entropy != nullptr) entropy[n] = out_entropy;
+}
+
+/* Launches the merge of the partials in workspace into args' logp / entropy / lse. */
+static inline int launch_linear_logp_merge(const rlk_linear_logp_args *args,
+                                           const float4 *partials, cudaStream_t stream) {
+    const int threads = 256;
+    linear_logp_merge_kernel<<<(unsigned)((args->N + threads - 1) / threads), threads, 0,
+                               stream>>>(partials, args->N, args->V, (int)logp_splits(args->V),
+                                         args->target, args->ignore_index, args->logp,
+                                         args->entropy, args->lse, args->bad_target);
+    return (int)cudaGetLastError();
+}
+
+#endif /* RLK_LINEAR_LOGP_COMMON_CUH_ */
