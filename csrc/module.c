@@ -312,23 +312,44 @@ static int prepare_gemm(tensor_arg *a, tensor_arg *b, tensor_arg *c, tensor_arg 
     return 0;
 }
 
+/* The output of a @ b, [M, N] or [B, M, N], in out_dtype (-1: a's dtype), from a's framework. */
+static PyObject *new_gemm_out(const tensor_arg *a, const tensor_arg *b, int out_dtype) {
+    if (tensor_arg_check_ndim(a, 2, 3) || tensor_arg_check_ndim(b, 2, 3) ||
+        tensor_arg_check_float(a))
+        return NULL;
+    if (out_dtype < -1 || out_dtype > RLK_F64) {
+        PyErr_Format(PyExc_ValueError, "out_dtype: unknown dtype code %d", out_dtype);
+        return NULL;
+    }
+    int64_t shape[3];
+    for (int d = 0; d < a->ndim - 1; d++) shape[d] = a->shape[d];
+    shape[a->ndim - 1] = b->shape[b->ndim - 1];
+    return tensor_arg_new_like(a, a->ndim, shape, out_dtype < 0 ? a->dtype : (rlk_dtype)out_dtype);
+}
+
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *a_obj, *b_obj, *c_obj, *out_obj;
     double alpha, beta;
-    int backend;
+    int backend, out_dtype = -1;
     unsigned long long stream;
-    if (!PyArg_ParseTuple(args, "OOOOddiK:gemm", &a_obj, &b_obj, &c_obj, &out_obj, &alpha, &beta,
-                          &backend, &stream))
+    if (!PyArg_ParseTuple(args, "OOOOddiK|i:gemm", &a_obj, &b_obj, &c_obj, &out_obj, &alpha,
+                          &beta, &backend, &stream, &out_dtype))
         return NULL;
     tensor_arg t[4] = {0}; /* a, b, c, out; zeroed so release is safe after a failed parse */
     gemm_call call;
+    PyObject *new_out = NULL; /* out = None: allocated here, returned */
     int ok = tensor_arg_parse(a_obj, "a", 0, &t[0]) == 0 &&
              tensor_arg_parse(b_obj, "b", 0, &t[1]) == 0 &&
-             tensor_arg_parse(c_obj, "c", 1, &t[2]) == 0 &&
-             tensor_arg_parse(out_obj, "out", 0, &t[3]) == 0 &&
-             prepare_gemm(&t[0], &t[1], &t[2], &t[3], &call) == 0 &&
-             check_backend_matches_device(backend, &t[0]) == 0;
+             tensor_arg_parse(c_obj, "c", 1, &t[2]) == 0;
+    if (ok && out_obj == Py_None) {
+        new_out = new_gemm_out(&t[0], &t[1], out_dtype);
+        ok = new_out != NULL;
+        out_obj = new_out;
+    }
+    ok = ok && tensor_arg_parse(out_obj, "out", 0, &t[3]) == 0 &&
+         prepare_gemm(&t[0], &t[1], &t[2], &t[3], &call) == 0 &&
+         check_backend_matches_device(backend, &t[0]) == 0;
     if (ok && call.batch > 0 && call.args.M > 0 && call.args.N > 0) {
         call.args.alpha = (float)alpha;
         call.args.beta = (float)beta;
@@ -356,7 +377,11 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
         if (ok && raise_for_status(status, "gemm") != 0) ok = 0;
     }
     release_all(t, 4);
-    if (!ok) return NULL;
+    if (!ok) {
+        Py_XDECREF(new_out);
+        return NULL;
+    }
+    if (new_out != NULL) return new_out;
     Py_RETURN_NONE;
 }
 
@@ -663,7 +688,8 @@ static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS,
-     "gemm(a, b, c, out, alpha, beta, backend, stream): out = alpha * a @ b + beta * c"},
+     "gemm(a, b, c, out, alpha, beta, backend, stream, out_dtype=-1): out = alpha * a @ b + beta * c;"
+     " out=None allocates it (dtype code out_dtype, -1: a's) through a's framework and returns it"},
     {"linear_logp_fwd", py_linear_logp_fwd, METH_VARARGS,
      "linear_logp_fwd(hidden, weight, bias, target, logp, entropy, lse, workspace, "
      "bad_target_addr, inv_temperature, ignore_index, backend, stream)"},
@@ -691,6 +717,10 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (PyModule_AddIntConstant(m, "BACKEND_CPU", BACKEND_CPU) ||
         PyModule_AddIntConstant(m, "BACKEND_SM80", BACKEND_SM80) ||
         PyModule_AddIntConstant(m, "BACKEND_SM90", BACKEND_SM90) ||
+        PyModule_AddIntConstant(m, "DTYPE_F32", RLK_F32) ||
+        PyModule_AddIntConstant(m, "DTYPE_BF16", RLK_BF16) ||
+        PyModule_AddIntConstant(m, "DTYPE_F16", RLK_F16) ||
+        PyModule_AddIntConstant(m, "DTYPE_F64", RLK_F64) ||
         PyModule_AddIntConstant(m, "WITH_CUDA",
 #ifdef RLK_WITH_CUDA
                                 1

@@ -28,13 +28,16 @@ size_t rlk_dtype_size(rlk_dtype dtype) {
     return 0;
 }
 
-/* One-entry cache of the exchange table: almost every call sees torch.Tensor only. */
-static PyTypeObject *cached_exchange_type;
-static const DLPackExchangeAPI *cached_exchange_api;
+/* A small cache of exchange tables by type: calls see torch.Tensor and nn.Parameter mostly. */
+#define EXCHANGE_CACHE_SIZE 4
+static PyTypeObject *exchange_types[EXCHANGE_CACHE_SIZE];
+static const DLPackExchangeAPI *exchange_apis[EXCHANGE_CACHE_SIZE];
+static int exchange_next;
 
 static const DLPackExchangeAPI *exchange_api_for(PyObject *obj) {
     PyTypeObject *type = Py_TYPE(obj);
-    if (type == cached_exchange_type) return cached_exchange_api;
+    for (int i = 0; i < EXCHANGE_CACHE_SIZE; i++)
+        if (exchange_types[i] == type) return exchange_apis[i];
     PyObject *capsule = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
     if (capsule == NULL) {
         PyErr_Clear();
@@ -49,9 +52,10 @@ static const DLPackExchangeAPI *exchange_api_for(PyObject *obj) {
             api = NULL;
     }
     Py_DECREF(capsule);
-    if (api != NULL) {
-        cached_exchange_type = type;
-        cached_exchange_api = api;
+    if (api != NULL) { /* types are immortal enough here: a cached type is only compared */
+        exchange_types[exchange_next] = type;
+        exchange_apis[exchange_next] = api;
+        exchange_next = (exchange_next + 1) % EXCHANGE_CACHE_SIZE;
     }
     return api;
 }
@@ -185,6 +189,7 @@ int tensor_arg_parse(PyObject *obj, const char *name, int optional, tensor_arg *
             Py_XDECREF(traceback);
             return -1;
         }
+        t->api = api;
         return fill_from_dltensor(t, &view); /* borrowed: obj is alive for the whole call */
     }
     if (!PyObject_HasAttrString(obj, "__dlpack__")) {
@@ -201,6 +206,37 @@ int tensor_arg_parse(PyObject *obj, const char *name, int optional, tensor_arg *
         return -1;
     }
     return consume_capsule(t, capsule);
+}
+
+static void set_allocation_error(void *context, const char *kind, const char *message) {
+    (void)context;
+    PyErr_Format(PyExc_RuntimeError, "out: allocation failed (%s): %s", kind, message);
+}
+
+PyObject *tensor_arg_new_like(const tensor_arg *ref, int ndim, const int64_t *shape,
+                              rlk_dtype dtype) {
+    if (ref->api == NULL || ref->api->managed_tensor_allocator == NULL ||
+        ref->api->managed_tensor_to_py_object_no_sync == NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "out: None needs %s to come from a framework with a DLPack exchange table "
+                     "(torch >= 2.10); pass an output tensor instead", ref->name);
+        return NULL;
+    }
+    static const DLDataType codes[] = {
+        [RLK_F32] = {kDLFloat, 32, 1}, [RLK_BF16] = {kDLBfloat, 16, 1},
+        [RLK_F16] = {kDLFloat, 16, 1}, [RLK_F64] = {kDLFloat, 64, 1}};
+    DLTensor prototype;
+    memset(&prototype, 0, sizeof(prototype));
+    prototype.device = ref->device;
+    prototype.ndim = ndim;
+    prototype.dtype = codes[dtype];
+    prototype.shape = (int64_t *)shape;
+    DLManagedTensorVersioned *managed = NULL;
+    if (ref->api->managed_tensor_allocator(&prototype, &managed, NULL, set_allocation_error) != 0)
+        return NULL;
+    void *object = NULL;
+    if (ref->api->managed_tensor_to_py_object_no_sync(managed, &object) != 0) return NULL;
+    return (PyObject *)object;
 }
 
 void tensor_arg_release(tensor_arg *t) {

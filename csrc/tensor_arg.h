@@ -32,6 +32,7 @@ typedef struct tensor_arg {
     int elem_size;
     DLDevice device;
     int read_only;
+    const DLPackExchangeAPI *api; /* the producer's exchange table, when it has one */
     /* owners, released by tensor_arg_release */
     PyObject *owned_capsule;
     DLManagedTensorVersioned *managed_versioned;
@@ -41,6 +42,11 @@ typedef struct tensor_arg {
 /* Fills *t from obj. optional: None gives t->present = 0. Returns 0, or -1 with an exception set. */
 int tensor_arg_parse(PyObject *obj, const char *name, int optional, tensor_arg *t);
 void tensor_arg_release(tensor_arg *t);
+
+/* A new, uninitialized tensor of the framework that produced ref (through its exchange table's
+ * allocator), on ref's device. Returns a new reference, or NULL with an exception set. */
+PyObject *tensor_arg_new_like(const tensor_arg *ref, int ndim, const int64_t *shape,
+                              rlk_dtype dtype);
 
 /* Checks on a parsed argument; each returns 0, or -1 with an exception naming the argument. */
 int tensor_arg_check_ndim(const tensor_arg *t, int min_ndim, int max_ndim);

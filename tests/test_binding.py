@@ -80,6 +80,7 @@ def test_no_leak_over_100k_calls():
             _C.gemm(a, b, None, out, 1.0, 0.0, CPU, 0)  # exchange-API path
             _C.gemm(torch.utils.dlpack.to_dlpack(a), b, None, out, 1.0, 0.0, CPU, 0)  # capsule
             _C.gemm(an, bn, None, outn, 1.0, 0.0, CPU, 0)  # __dlpack__ path
+            _C.gemm(a, b, None, None, 1.0, 0.0, CPU, 0)  # output allocated in C
             try:
                 _C.gemm(a, b, None, torch.empty(3, 3), 1.0, 0.0, CPU, 0)  # error path
             except ValueError:
@@ -88,7 +89,7 @@ def test_no_leak_over_100k_calls():
     calls(5000)  # warm up allocator pools
     gc.collect()
     before = _rss_mb()
-    calls(100_000 // 4)
+    calls(100_000 // 5)
     gc.collect()
     assert _rss_mb() - before < 8, f"RSS grew by {_rss_mb() - before:.1f} MB"
 
@@ -228,3 +229,20 @@ def test_gil_released_during_cpu_kernel():
     thread.join()
     during = [t for t in ticks if start < t < end]
     assert end - start < 0.01 or len(during) >= 3, "the Python thread never ran during the kernel"
+
+
+def test_out_none_allocates_through_the_exchange_table():
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    out = _C.gemm(a, b, None, None, 1.0, 0.0, CPU, 0)
+    assert isinstance(out, torch.Tensor) and out.shape == (5, 3) and out.dtype == torch.float32
+    expected = torch.empty(5, 3)
+    _C.gemm(a, b, None, expected, 1.0, 0.0, CPU, 0)
+    assert torch.equal(out, expected)
+    wide = _C.gemm(a.bfloat16(), b.bfloat16(), None, None, 1.0, 0.0, CPU, 0, _C.DTYPE_F32)
+    assert wide.dtype == torch.float32
+    batched = _C.gemm(torch.randn(2, 5, 7), b, None, None, 1.0, 0.0, CPU, 0)
+    assert batched.shape == (2, 5, 3)
+    with pytest.raises(TypeError, match="out: None needs a to come from a framework"):
+        _C.gemm(a.numpy(), b.numpy(), None, None, 1.0, 0.0, CPU, 0)
+    with pytest.raises(ValueError, match="out_dtype: unknown dtype code 9"):
+        _C.gemm(a, b, None, None, 1.0, 0.0, CPU, 0, 9)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._common import eager_direct
-from .gemm import _BackendModule, _check_dtypes, _gemm_impl, _prod, _run
+from .gemm import _BackendModule, _check_dtypes, _launch, _prod, _run
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _IN_DTYPE_SET = frozenset(_IN_DTYPES)
@@ -24,7 +24,7 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None 
     weight (``weight.t()``), used without a copy. out_dtype: None (a's dtype) or torch.float32."""
     if (out_dtype is None and a.dim() == 2 and b.dim() == 2 and a.dtype is b.dtype
             and a.dtype in _IN_DTYPE_SET and a.shape[1] == b.shape[0] and eager_direct(a, b)):
-        return _gemm_impl(a, b, None, 1.0, 0.0, a.dtype, backend or "auto")  # the common case
+        return _launch(a, b, None, None, 1.0, 0.0, backend or "auto", a.dtype)  # the common case
     _check_dtypes("det_gemm", a=a, b=b)
     if a.dtype not in _IN_DTYPES:
         raise TypeError(f"det_gemm(): a has dtype {a.dtype}; expected bfloat16, float16 or float32")

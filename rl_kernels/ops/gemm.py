@@ -31,15 +31,24 @@ def _backend_arg(backend: str | None) -> str:
     return backend or "auto"
 
 
-def _launch(a, b, c, out, alpha, beta, backend):
+_DTYPE_CODES = {torch.float32: _C.DTYPE_F32, torch.bfloat16: _C.DTYPE_BF16,
+                torch.float16: _C.DTYPE_F16, torch.float64: _C.DTYPE_F64}
+
+
+def _launch(a, b, c, out, alpha, beta, backend, out_dtype=None):
     """out = alpha * a @ b + beta * c on the backend for a's device. a: [M, K] or [B, M, K];
-    b: [K, N] or [B, K, N]; c: None or broadcastable rows; out: rows contiguous."""
+    b: [K, N] or [B, K, N]; c: None or broadcastable rows; out: rows contiguous, or None to have
+    _C allocate it (in out_dtype) through torch's DLPack exchange table and return it."""
     name, code, stream = backend_and_stream("gemm", a.device, None if backend == "auto" else backend)
     a = gemm_operand(a, name)
     b = gemm_operand(b, name)
     if c is not None and beta == 0.0:
         c = None  # BLAS semantics: beta == 0 ignores c (NaN in c does not propagate)
+    if out is None:
+        return _C.gemm(a, b, c, None, float(alpha), float(beta), code, stream,
+                       _DTYPE_CODES[out_dtype])
     _C.gemm(a, b, c, out, float(alpha), float(beta), code, stream)
+    return out
 
 
 def _out_shape(a, b):
@@ -47,9 +56,7 @@ def _out_shape(a, b):
 
 
 def _gemm_impl(a, b, c, alpha, beta, out_dtype, backend):
-    out = a.new_empty(_out_shape(a, b), dtype=out_dtype)
-    _launch(a, b, c, out, alpha, beta, backend)
-    return out
+    return _launch(a, b, c, None, alpha, beta, backend, out_dtype)
 
 
 def _gemm_out_impl(a, b, c, alpha, beta, backend, out):
@@ -214,7 +221,7 @@ def matmul(input: torch.Tensor, other: torch.Tensor, *, out: torch.Tensor | None
             and input.dtype in _FLOAT_DTYPE_SET and input.shape[1] == other.shape[0]
             and eager_direct(input, other)):
         # the common case, kept short: host time per call is what small decode GEMMs pay
-        return _gemm_impl(input, other, None, 1.0, 0.0, input.dtype, backend or "auto")
+        return _launch(input, other, None, None, 1.0, 0.0, backend or "auto", input.dtype)
     return _matmul(input, other, out, backend)
 
 
