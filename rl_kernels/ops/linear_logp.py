@@ -104,27 +104,31 @@ def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_e
     grad_weight = torch.empty(v, d, dtype=dtype, device=device)
     grad_bias = torch.empty(v if bias is not None else 0, dtype=dtype, device=device)
     rows_per_chunk = _row_chunk(n)
-    one_row_chunk = rows_per_chunk >= n
+    # dW and db of a vocabulary chunk are written directly when one row chunk holds every row;
+    # otherwise they are summed over the row chunks, in order, in fp32 and rounded once.
+    accumulate = rows_per_chunk < n
+    beta = 1.0 if accumulate else 0.0
     logits_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=torch.float32, device=device)
     dz_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=dtype, device=device)
     ones = torch.ones(1, rows_per_chunk, dtype=dtype, device=device)
     inv_t = 1.0 / temperature
     for v0 in range(0, v, VOCAB_CHUNK):
         v1 = min(v, v0 + VOCAB_CHUNK)
+        cols = v1 - v0
         w_chunk = weight[v0:v1]
         b_chunk = None if bias is None else bias[v0:v1].float()
-        if one_row_chunk:
-            dw_acc = None
-        else:
-            dw_acc = torch.zeros(v1 - v0, d, dtype=torch.float32, device=device)
-            db_acc = torch.zeros(1, v1 - v0, dtype=torch.float32, device=device)
+        dw = torch.zeros(cols, d, dtype=torch.float32, device=device) if accumulate \
+            else grad_weight[v0:v1]
+        db = None
+        if bias is not None:
+            db = torch.zeros(1, cols, dtype=torch.float32, device=device) if accumulate \
+                else grad_bias[v0:v1].view(1, cols)
         for r0 in range(0, n, rows_per_chunk):
             r1 = min(n, r0 + rows_per_chunk)
-            rows, cols = r1 - r0, v1 - v0
+            rows = r1 - r0
             h_rows = hidden[r0:r1]
             logits = logits_buf[: rows * cols].view(rows, cols)
-            _gemm_out_impl(h_rows, w_chunk.t(), b_chunk, 1.0, 1.0, gemm_backend,
-                           logits)
+            _gemm_out_impl(h_rows, w_chunk.t(), b_chunk, 1.0, 1.0, gemm_backend, logits)
             dz = dz_buf[: rows * cols].view(rows, cols)
             _C.linear_logp_dlogits(
                 logits, target[r0:r1], lse[r0:r1], entropy[r0:r1],
@@ -133,19 +137,13 @@ def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_e
                 dz, v0, inv_t, ignore_index, stream)
             dh = grad_hidden[r0:r1]
             _gemm_out_impl(dz, w_chunk, dh, 1.0, 1.0, gemm_backend, dh)
-            if dw_acc is None:
-                _gemm_out_impl(dz.t(), h_rows, None, 1.0, 0.0, gemm_backend, grad_weight[v0:v1])
-                if bias is not None:
-                    _gemm_out_impl(ones[:, :rows], dz, None, 1.0, 0.0, gemm_backend,
-                                   grad_bias[v0:v1].view(1, cols))
-            else:
-                _gemm_out_impl(dz.t(), h_rows, dw_acc, 1.0, 1.0, gemm_backend, dw_acc)
-                if bias is not None:
-                    _gemm_out_impl(ones[:, :rows], dz, db_acc, 1.0, 1.0, gemm_backend, db_acc)
-        if dw_acc is not None:
-            grad_weight[v0:v1].copy_(dw_acc)
-            if bias is not None:
-                grad_bias[v0:v1].copy_(db_acc.view(-1))
+            _gemm_out_impl(dz.t(), h_rows, dw, 1.0, beta, gemm_backend, dw)
+            if db is not None:
+                _gemm_out_impl(ones[:, :rows], dz, db, 1.0, beta, gemm_backend, db)
+        if accumulate:
+            grad_weight[v0:v1].copy_(dw)
+            if db is not None:
+                grad_bias[v0:v1].copy_(db.view(-1))
     return grad_hidden.to(dtype), grad_weight, grad_bias
 
 
