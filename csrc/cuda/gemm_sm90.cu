@@ -16,6 +16,8 @@
  *     epilogue buffers, clusters of 2 CTAs on vertically adjacent tiles, each CTA loading half of the
  *     shared B tile multicast to both.
  *   medium config: the same with BN = 128, 6 stages.
+ *   tall config: BM = 128 (2 consumers), BN = 64, 8 stages, clusters of 2 with K-major B (else none):
+ *     twice the tiles of the medium config for shapes whose medium tiles leave SMs idle (M = N = 1024).
  *   small config: BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster.
  *   narrow configs: BM = 64, BN = 32 / 16 (16 / 20 stages), K-major B only.
  *   M <= 64 (decode) takes the narrowest 64-row config whose tiles still fit in one wave; larger M
@@ -35,9 +37,11 @@
  * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
  * filled by TMA, adding exact zeros), then one fused alpha/beta epilogue with explicit __fmaf_rn /
  * __fmul_rn. The wgmma N width (256 to 16) and the row offset inside the tile do not change an
- * element's arithmetic; .scratch/sm90b/test_sm90.py checks this bitwise on the GPU (rows r0..r0+m of
+ * element's arithmetic, nor does the epilogue path (register or shared memory + TMA store: same fp32
+ * values, same rounding); .scratch/sm90c/test_sm90.py checks this bitwise on the GPU (rows r0..r0+m of
  * a[:m] @ b equal the same rows of the M = 4096 product, m = 1, 3, 17, 64, 129, 512, 1000, r0 = 0, 77,
- * N = 1024 / 4096 / 151936, which exercises all five configs). linear_logp: the chain boundaries depend
+ * N = 1024 / 4096 / 151936, which exercises all six configs; TMA-store vs register epilogue outputs
+ * compared with torch.equal). linear_logp: the chain boundaries depend
  * on D, the tiles and splits on V, every fold and merge runs in a fixed order, so a row's results do
  * not depend on N or its position (.scratch/sm90b/test_logp_sm90.py: torch.equal for rows of N = 1, 3,
  * 17, 129, 1000 at six offsets vs N = 4096). No split-K, no atomics.
@@ -50,8 +54,8 @@
  * Build: nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Xptxas -v
  *        -shared -Xcompiler -fPIC gemm_sm90.cu -o libgemm_sm90.so
  * Test (GPU): python3 setup.py build_ext --inplace && pytest tests/test_gpu_gemm.py tests/test_gpu_linear_logp.py
- *   -m gpu (or scripts/gpu_check.sh); the ctypes drivers behind the numbers in .scratch/sm90b/perf-notes.md
- *   are .scratch/sm90b/test_sm90.py (regress, miniperf) and .scratch/sm90b/test_logp_sm90.py.
+ *   -m gpu (or scripts/gpu_check.sh); the ctypes drivers behind the numbers in .scratch/sm90{b,c}/perf-notes.md
+ *   are .scratch/sm90c/test_sm90.py (regress, miniperf2) and .scratch/sm90b/test_logp_sm90.py.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -472,15 +476,16 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row0, i
  * 128-byte swizzle (16-byte chunk q of row r at chunk q ^ (r % 8): a warp's 8 rows x 16 bytes hit all 32
  * banks once), and one thread issues a TMA store of the box, which clips the M/N tails. The consumers then
  * return to the next tile's wgmmas while the copy engine writes global memory; a buffer is rewritten only
- * after the store issued two rounds earlier has finished reading it. Rounds per tile are even, so every
- * tile starts at buffer 0. */
+ * after the store issued two rounds earlier has finished reading it (tiles with an even number of rounds
+ * start at buffer 0; with one round, every tile uses buffer 0 after the previous tile's store). */
 #define EPI_BOX_BYTES (64 * 128)
 template <int BN, typename OutT>
 __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row0, int col0, const gemm_sm90_params &p,
                                                const CUtensorMap *map_out, uint32_t epi_smem, uint32_t barrier_id) {
     constexpr int ROUND_COLS = 128 / (int)sizeof(OutT);
     constexpr int ROUNDS = BN / ROUND_COLS;
-    static_assert(ROUNDS % 2 == 0, "tiles must start at buffer 0");
+    constexpr int PENDING = ROUNDS % 2 == 0 ? 1 : 0;  /* stores that may still read the other buffer */
+    static_assert(ROUNDS % 2 == 0 || ROUNDS == 1, "buffer parity must restart with each tile");
     const int t = threadIdx.x % 128, lane = t % 32;
     const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h; tile_row % 8 == lane / 4 */
     const int col_base = col0 + 2 * (lane % 4);
@@ -490,7 +495,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
         const uint32_t buf = epi_smem + (r % 2) * EPI_BOX_BYTES;
-        if (t == 0) bulk_wait_read<1>();
+        if (t == 0) bulk_wait_read<PENDING>();
         warpgroup_sync(barrier_id);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -977,17 +982,20 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
 
 /* The tile configs. All of them compute every output element with the same k16 wgmma sequence, so the
  * choice among them is a performance choice only (bitwise-equal rows are tested across them). */
-enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_NARROW32, CONFIG_NARROW16 };
-static const int config_bm[CONFIG_SMALL + 1] = {128, 128, 64};
-static const int config_bn[CONFIG_SMALL + 1] = {256, 128, 64};
+enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_TALL, CONFIG_NARROW32, CONFIG_NARROW16 };
+static const int config_bm[CONFIG_TALL + 1] = {128, 128, 64, 128};
+static const int config_bn[CONFIG_TALL + 1] = {256, 128, 64, 64};
 /* Estimated SM cycles per k16 step of one tile (measured order of magnitude on H100): two m64n256 wgmmas
- * at ~80% of peak, two m64n128, one latency-bound m64n64 chain. */
-static const int config_cycles[CONFIG_SMALL + 1] = {320, 170, 100};
+ * at ~80% of peak, two m64n128, one latency-bound m64n64 chain. The tall value is a weight, not a cycle
+ * count: one-wave tall grids measured 160-190 cycles per step, yet beat the medium config's one-wave grids
+ * (half the SMs; M = N = 1024: 24.5 vs 28.3 us, M = 256, N = 4096: 23.4 vs 30.0), while the medium
+ * config is chosen wherever tall would need more waves. */
+static const int config_cycles[CONFIG_TALL + 1] = {320, 170, 100, 120};
 
 /* Up to 64 rows (decode): 64-row tiles (128-row tiles would mostly multiply zero-filled rows). Each tile is
  * one latency-bound chain of K/16 wgmmas, so the narrowest tiles that still fit in one wave spread N over
  * the most SMs (K-major B only: an MN-major B box is 64 columns wide). Otherwise the fewest estimated
- * cycles among the first three: waves of tiles x cycles per tile. */
+ * cycles among the first four: waves of tiles x cycles per tile. */
 static int choose_config(int64_t M, int64_t N, bool b_mn, int num_sms) {
     if (M <= 64) {
         if (!b_mn && (N + 15) / 16 <= num_sms) return CONFIG_NARROW16;
@@ -996,7 +1004,7 @@ static int choose_config(int64_t M, int64_t N, bool b_mn, int num_sms) {
     }
     int best = CONFIG_LARGE;
     int64_t best_cost = INT64_MAX;
-    for (int c = 0; c <= CONFIG_SMALL; ++c) {
+    for (int c = 0; c <= CONFIG_TALL; ++c) {
         const int64_t tiles = ((M + config_bm[c] - 1) / config_bm[c]) * ((N + config_bn[c] - 1) / config_bn[c]);
         const int64_t cost = (tiles + num_sms - 1) / num_sms * config_cycles[c];
         if (cost < best_cost) {
@@ -1014,6 +1022,9 @@ static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_
         return launch_gemm_sm90<256, 2, 4, 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
     if (config == CONFIG_MEDIUM)
         return launch_gemm_sm90<128, 2, 6, 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+    if (config == CONFIG_TALL)  /* B multicast needs K-major B: half of a 64-wide MN-major box is no box */
+        return launch_gemm_sm90<64, 2, 8, B_MN ? 1 : 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms,
+                                                                                        stream);
     if constexpr (!B_MN) {
         if (config == CONFIG_NARROW32)
             return launch_gemm_sm90<32, 1, 16, 1, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
