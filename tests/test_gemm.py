@@ -30,10 +30,15 @@ def test_det_gemm_fp32_output_and_linear_weight_view(dtype):
     assert torch.equal(batched.view(50, 70), out)
 
 
-def test_bf16_output_is_correctly_rounded_fp32_result():
-    a, b = randn(40, 512, dtype=torch.bfloat16, seed=5), randn(512, 48, dtype=torch.bfloat16, seed=6)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_output_is_the_rounded_fp32_result(dtype):
+    a, b = randn(40, 512, dtype=dtype, seed=5), randn(512, 48, dtype=dtype, seed=6)
+    a[0] *= 300  # fp16 overflow to inf
+    a[1] *= 1e-6  # tiny results: fp16 subnormals
+    a[2, 7] = float("nan")
     fp32 = rl_kernels.det_gemm(a, b, out_dtype=torch.float32)
-    assert torch.equal(rl_kernels.det_gemm(a, b), fp32.to(torch.bfloat16))
+    torch.testing.assert_close(rl_kernels.det_gemm(a, b), fp32.to(dtype), rtol=0, atol=0,
+                               equal_nan=True)
 
 
 @pytest.mark.parametrize("a_t,b_t", [(False, True), (True, False), (True, True)])

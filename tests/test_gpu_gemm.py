@@ -127,6 +127,23 @@ def test_layouts_and_misaligned_operands(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("m,k,n", [(1000, 4096, 4096), (4096, 4096, 1024), (300, 1024, 256)])
+def test_output_address_does_not_change_bits(backend, m, k, n):
+    """sm90 stores aligned outputs through shared memory + TMA and others from registers: the same
+    values either way."""
+    a = cuda_randn(m, k, seed=25)
+    w = cuda_randn(n, k, seed=26, scale=k ** -0.5)
+    aligned = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    buf = torch.empty(m * n + 1, dtype=torch.bfloat16, device="cuda")
+    shifted = buf[1:].view(m, n)  # 2 bytes off 16-byte alignment
+    rl_kernels.matmul(a, w.t(), out=shifted, backend=backend)
+    assert torch.equal(shifted, aligned)
+    padded = torch.empty(m, n + 1, dtype=torch.bfloat16, device="cuda")[:, :n]  # odd row stride
+    rl_kernels.matmul(a, w.t(), out=padded, backend=backend)
+    assert torch.equal(padded, aligned)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_nan_inf_propagate(backend):
     a = cuda_randn(64, 256, seed=10)
     w = cuda_randn(128, 256, seed=11)

@@ -3,7 +3,7 @@
  * Stores round to nearest even, overflow goes to +-inf, NaN stays NaN (made quiet, sign and top
  * payload bits kept), fp16 subnormals are exact in both directions. Pure integer / exact float
  * arithmetic, so the result never depends on the compiler, flags or CPU.
- * Tested by .scratch/cpu/test_cpu.py against torch's conversions.
+ * Tested by tests/test_gemm.py: 16-bit outputs equal torch's rounding of the fp32 result.
  */
 #ifndef RLK_HALF_CONVERT_H_
 #define RLK_HALF_CONVERT_H_

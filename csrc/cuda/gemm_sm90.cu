@@ -38,13 +38,13 @@
  * filled by TMA, adding exact zeros), then one fused alpha/beta epilogue with explicit __fmaf_rn /
  * __fmul_rn. The wgmma N width (256 to 16) and the row offset inside the tile do not change an
  * element's arithmetic, nor does the epilogue path (register or shared memory + TMA store: same fp32
- * values, same rounding); .scratch/sm90c/test_sm90.py checks this bitwise on the GPU (rows r0..r0+m of
- * a[:m] @ b equal the same rows of the M = 4096 product, m = 1, 3, 17, 64, 129, 512, 1000, r0 = 0, 77,
- * N = 1024 / 4096 / 151936, which exercises all six configs; TMA-store vs register epilogue outputs
- * compared with torch.equal). linear_logp: the chain boundaries depend
- * on D, the tiles and splits on V, every fold and merge runs in a fixed order, so a row's results do
- * not depend on N or its position (.scratch/sm90b/test_logp_sm90.py: torch.equal for rows of N = 1, 3,
- * 17, 129, 1000 at six offsets vs N = 4096). No split-K, no atomics.
+ * values, same rounding); tests/test_gpu_gemm.py checks this bitwise on the GPU (every M of the sweep
+ * 1..4096 against M = 4096 on the Qwen3-8B shapes, which exercises all six configs; rows shifted
+ * across tiles; outputs at aligned and unaligned addresses compared with torch.equal). linear_logp:
+ * the chain boundaries depend on D, the tiles and splits on V, every fold and merge runs in a fixed
+ * order, so a row's results do not depend on N or its position (tests/test_gpu_linear_logp.py:
+ * torch.equal for rows of N = 1, 3, 17, 129, 1000 and shifted rows vs N = 4096). No split-K, no
+ * atomics.
  *
  * Limits (-> RLK_UNSUPPORTED, the caller falls back to sm80): in/out dtypes other than bf16/fp16 in
  * and in-dtype/fp32 out; A or B base address not 16-byte aligned or row stride not a multiple of 16
@@ -54,8 +54,8 @@
  * Build: nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Xptxas -v
  *        -shared -Xcompiler -fPIC gemm_sm90.cu -o libgemm_sm90.so
  * Test (GPU): python3 setup.py build_ext --inplace && pytest tests/test_gpu_gemm.py tests/test_gpu_linear_logp.py
- *   -m gpu (or scripts/gpu_check.sh); the ctypes drivers behind the numbers in .scratch/sm90{b,c}/perf-notes.md
- *   are .scratch/sm90c/test_sm90.py (regress, miniperf2) and .scratch/sm90b/test_logp_sm90.py.
+ *   -m gpu (or scripts/gpu_check.sh, which also runs compute-sanitizer and the benchmarks; the
+ *   version history and numbers are in docs/perf-notes.md).
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -647,7 +647,7 @@ __device__ __forceinline__ void issue_k_slice(float (&d)[BN / 2], int s, uint32_
  * CHAIN = 0 (GEMM): every k16 step accumulates into d.
  * CHAIN = c > 0 (linear_logp): every c consecutive 64-wide k-slices form a fresh wgmma chain from zero,
  * added into d with a round-to-nearest fp32 FADD. The tensor cores' accumulator adds truncate, which over
- * one 4096-long chain gave 3.2e-4 logp error at logits up to ~50 (.scratch/sm90b/perf-notes.md); chains
+ * one 4096-long chain gave 3.2e-4 logp error at logits up to ~50 (docs/perf-notes.md); chains
  * of 1, 2 or 4 slices gave ~2e-5, and 4 hides the FADDs (a chain per slice cost 25% of the time).
  * Every order here depends on K alone. */
 template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, int CHAIN>
