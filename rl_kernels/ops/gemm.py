@@ -3,7 +3,7 @@
 Layers: public function -> torch.library op ``rl_kernels::gemm`` (fake impl + registered autograd,
 so torch.compile(fullgraph=True) sees one opaque op) -> ``_C.gemm``. In eager mode, when no graph is
 recorded, the public functions call the op's implementation directly (same code, no dispatcher
-hop), which keeps host overhead near torch.matmul's.
+hop) to keep host overhead low (per-call numbers: docs/perf-notes.md).
 
 Every backend computes out = alpha * a @ b + beta * c with fp32 accumulation and a K order fixed by
 K alone, so each output row is bitwise independent of the rows around it. Gradients run on the same
