@@ -484,7 +484,7 @@ static PyObject *py_linear_logp_fwd(PyObject *self, PyObject *args) {
         } else {
             status = RLK_UNSUPPORTED;
 #if defined(RLK_WITH_CUDA) && defined(RLK_HAVE_LINEAR_LOGP_SM80)
-            const int64_t need = rlk_linear_logp_fwd_workspace_bytes(p.N, p.V);
+            const int64_t need = rlk_linear_logp_fwd_workspace_bytes(p.N, p.V, p.dtype);
             uintptr_t lo = 0, hi = 0;
             if (t[7].present && tensor_arg_span(&t[7], &lo, &hi) != 0) ok = 0;
             if (ok && (!t[7].present || (int64_t)(hi - lo) < need ||
@@ -627,9 +627,14 @@ static PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
 static PyObject *py_linear_logp_fwd_workspace_bytes(PyObject *self, PyObject *args) {
     (void)self;
     long long N, V;
-    if (!PyArg_ParseTuple(args, "LL:linear_logp_fwd_workspace_bytes", &N, &V)) return NULL;
+    int dtype;
+    if (!PyArg_ParseTuple(args, "LLi:linear_logp_fwd_workspace_bytes", &N, &V, &dtype)) return NULL;
+    if (dtype < RLK_F32 || dtype > RLK_F64) {
+        PyErr_Format(PyExc_ValueError, "dtype: unknown dtype code %d", dtype);
+        return NULL;
+    }
 #if defined(RLK_WITH_CUDA) && defined(RLK_HAVE_LINEAR_LOGP_SM80)
-    return PyLong_FromLongLong(rlk_linear_logp_fwd_workspace_bytes(N, V));
+    return PyLong_FromLongLong(rlk_linear_logp_fwd_workspace_bytes(N, V, (rlk_dtype)dtype));
 #else
     return PyLong_FromLong(0);
 #endif
@@ -697,7 +702,7 @@ static PyMethodDef methods[] = {
      "linear_logp_dlogits(logits, target, lse, entropy, grad_logp, grad_entropy, dlogits, v0, "
      "inv_temperature, ignore_index, stream)"},
     {"linear_logp_fwd_workspace_bytes", py_linear_logp_fwd_workspace_bytes, METH_VARARGS,
-     "bytes of device workspace the GPU linear_logp forward needs for (N, V)"},
+     "bytes of device workspace the GPU linear_logp forward needs for (N, V, dtype code)"},
     {"compiled_kernels", py_compiled_kernels, METH_NOARGS,
      "names of the kernel files compiled into this build"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS,

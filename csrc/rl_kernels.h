@@ -136,10 +136,11 @@ typedef struct rlk_linear_logp_dlogits_args {
 int rlk_linear_logp_fwd_cpu(const rlk_linear_logp_args *args, int num_threads);
 int rlk_linear_logp_dlogits_cpu(const rlk_linear_logp_dlogits_args *args, int num_threads);
 
-/* csrc/cuda/linear_logp_sm80.cu: bf16/fp16 inputs (fp32: RLK_UNSUPPORTED), any N, D, V. bad_target points at
- * host-mapped pinned memory; the kernel stores 1 there for an out-of-range target (no host sync).
- * workspace: rlk_linear_logp_fwd_workspace_bytes(N, V) bytes of device memory. */
-int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V);
+/* csrc/cuda/linear_logp_sm80.cu: bf16/fp16 inputs on tensor cores, fp32 inputs through the fp32 SIMT
+ * GEMM and a logits pass (slower, never TF32); any N, D, V. bad_target points at host-mapped pinned
+ * memory; the kernel stores 1 there for an out-of-range target (no host sync).
+ * workspace: rlk_linear_logp_fwd_workspace_bytes(N, V, dtype) bytes of device memory. */
+int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V, rlk_dtype dtype);
 int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, void *workspace, void *stream);
 int rlk_linear_logp_dlogits_cuda(const rlk_linear_logp_dlogits_args *args, void *stream);
 

@@ -32,8 +32,8 @@ _OPS = {
     "det_gemm": ("rl_kernels.ops.det_gemm", "DetGemmOp",
                  {"sm90": ("gemm_sm90",), "sm80": ("gemm_sm80",), "cpu": ()}),
     "linear_logp": ("rl_kernels.ops.linear_logp", "LinearLogpOp",
-                    {"sm90": ("gemm_sm90", "linear_logp_sm80"),
-                     "sm80": ("linear_logp_sm80", "gemm_sm80"), "cpu": ()}),
+                    {"sm90": ("gemm_sm90", "linear_logp_sm80", "gemm_fp32_sm80"),
+                     "sm80": ("linear_logp_sm80", "gemm_sm80", "gemm_fp32_sm80"), "cpu": ()}),
 }
 
 _COMPILED = frozenset(_C.compiled_kernels())

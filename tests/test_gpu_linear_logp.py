@@ -141,3 +141,23 @@ def test_memory_stays_small_at_qwen3_head():
     torch.autograd.grad(logp, (h, w), g)
     bwd_extra = (torch.cuda.max_memory_allocated() - base) / 2**20 - grads_mb
     assert bwd_extra <= 256, f"backward used {bwd_extra:.0f} MB beyond the gradients"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_fp32_inputs_take_the_exact_fp32_path(backend):
+    h, w, b, t = problem(700, 96, 9000, seed=60, bias=True)
+    h, w, b = h.float(), w.float(), b.float()
+    t[3] = -100
+    logp, ent = rl_kernels.linear_logp(h, w, t, b, temperature=0.8, return_entropy=True,
+                                       backend=backend)
+    ref_logp, ref_ent = fp64_reference(h, w, t, b, 0.8)
+    assert (logp.double() - ref_logp).abs().max() <= 1e-5
+    assert (ent.double() - ref_ent).abs().max() <= 1e-5
+    part = rl_kernels.linear_logp(h[100:117], w, t[100:117], b, temperature=0.8, backend=backend)
+    assert torch.equal(part, logp[100:117])
+    x = h[:50].clone().requires_grad_()
+    grad, = torch.autograd.grad(rl_kernels.linear_logp(x, w, t[:50], b, backend=backend).sum(), x)
+    x64 = h[:50].double().requires_grad_()
+    ref = rl_kernels.NativeLinearLogpOp(torch.float64)(x64, w.double(), t[:50], b.double()).sum()
+    grad64, = torch.autograd.grad(ref, x64)
+    assert rel_err(grad, grad64) <= 1e-5

@@ -27,6 +27,9 @@
  * position in the batch, or on pointer alignment (the aligned cp.async loader and the scalar
  * loader fill shared memory with identical bytes).
  *
+ * fp32 inputs (no tensor cores, never TF32): logits chunks from the fp32 SIMT GEMM into the workspace,
+ * folded per split by partials_from_logits_kernel into the same partials and merged the same way.
+ *
  * dlogits: elementwise, d_z = inv_T * (g_logp * (1[v == t] - p) - g_ent * p * (s - lse + H)),
  * 4 columns per thread (float4 loads when logits/out rows allow it), scalar tail otherwise.
  *
@@ -41,6 +44,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 
 #include "../rl_kernels.h"
 #include "linear_logp_common.cuh"
@@ -380,8 +384,86 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
     }
 }
 
-extern "C" int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V) {
-    return logp_splits(V) * N * (int64_t)sizeof(float4);
+/* ---------------------------------------------------------------------------------------------
+ * fp32 inputs: no tensor-core path (never TF32). The logits of LOGP_FP32_CHUNK_ROWS x
+ * LOGP_FP32_CHUNK_COLS chunks come from the fp32 SIMT GEMM (rlk_gemm_fp32_simt: fixed k order, bias
+ * added in its epilogue) into the workspace; partials_from_logits_kernel then folds each
+ * LOGP_SPLIT_COLS-column split of a row into the same partial state as the fused kernels (lane j
+ * takes columns j, j + 32, ... in order, the lanes merge in a fixed shuffle tree), and the common
+ * merge kernel finishes. Slower (logits pass through memory, O(chunk) extra), same contract.
+ * ------------------------------------------------------------------------------------------- */
+#define LOGP_FP32_CHUNK_COLS (4 * LOGP_SPLIT_COLS)
+#define LOGP_FP32_CHUNK_ROWS 4096
+
+__global__ void partials_from_logits_kernel(const float *__restrict__ logits, int64_t rows,
+                                            int64_t cols, int64_t row0, int64_t v0, int64_t N,
+                                            const int64_t *__restrict__ target, float scale_log2,
+                                            float4 *__restrict__ partials) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * 4 + warp; /* one warp per row */
+    if (r >= rows) return;
+    const int64_t c0 = (int64_t)blockIdx.y * LOGP_SPLIT_COLS;
+    const int64_t c1 = c0 + LOGP_SPLIT_COLS < cols ? c0 + LOGP_SPLIT_COLS : cols;
+    const float *z = logits + r * cols;
+    const int64_t t = target[row0 + r];
+    float m = LOGP_EMPTY_MAX, l = 0.0f, S = 0.0f, x_target = 0.0f;
+    for (int64_t c = c0 + lane; c < c1; c += 32) {
+        const float x = z[c] * scale_log2;
+        if (v0 + c == t) x_target = x;
+        if (x != -INFINITY) softmax_state_merge(m, l, S, x, 1.0f, 0.0f); /* p = 0: no term */
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float m2 = __shfl_down_sync(0xffffffffu, m, offset);
+        const float l2 = __shfl_down_sync(0xffffffffu, l, offset);
+        const float S2 = __shfl_down_sync(0xffffffffu, S, offset);
+        if (lane < offset) softmax_state_merge(m, l, S, m2, l2, S2);
+    }
+    const bool target_here = t >= v0 + c0 && t < v0 + c1;
+    x_target = __shfl_sync(0xffffffffu, x_target, target_here ? (int)((t - v0 - c0) & 31) : 0);
+    if (lane == 0)
+        partials[((v0 + c0) / LOGP_SPLIT_COLS) * N + row0 + r] = make_float4(m, l, S, x_target);
+}
+
+static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, float4 *partials, float *logits,
+                                cudaStream_t s) {
+    const float scale_log2 = args->inv_temperature * LOG2E;
+    for (int64_t v0 = 0; v0 < args->V; v0 += LOGP_FP32_CHUNK_COLS) {
+        const int64_t cols = args->V - v0 < LOGP_FP32_CHUNK_COLS ? args->V - v0 : LOGP_FP32_CHUNK_COLS;
+        for (int64_t row0 = 0; row0 < args->N; row0 += LOGP_FP32_CHUNK_ROWS) {
+            const int64_t rows = args->N - row0 < LOGP_FP32_CHUNK_ROWS ? args->N - row0 : LOGP_FP32_CHUNK_ROWS;
+            rlk_gemm_args g;
+            memset(&g, 0, sizeof(g));
+            g.M = rows;
+            g.N = cols;
+            g.K = args->D;
+            g.in_dtype = g.out_dtype = RLK_F32;
+            g.a = (const float *)args->hidden + row0 * args->ldh;
+            g.lda = args->ldh;
+            g.b = (const float *)args->weight + v0 * args->ldw; /* B = weight^T */
+            g.ldb = args->ldw;
+            g.b_trans = 1;
+            g.c = args->bias ? (const float *)args->bias + v0 : NULL; /* ldc = 0: one row */
+            g.out = logits;
+            g.ldo = cols;
+            g.alpha = g.beta = 1.0f;
+            const int rc = rlk_gemm_fp32_simt(&g, s);
+            if (rc != RLK_OK) return rc;
+            const dim3 grid((unsigned)((rows + 3) / 4), (unsigned)((cols + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS));
+            partials_from_logits_kernel<<<grid, 128, 0, s>>>(logits, rows, cols, row0, v0, args->N, args->target,
+                                                             scale_log2, partials);
+            const cudaError_t err = cudaGetLastError();
+            if (err != cudaSuccess) return (int)err;
+        }
+    }
+    return launch_linear_logp_merge(args, partials, s);
+}
+
+static int64_t partials_bytes(int64_t N, int64_t V) { return logp_splits(V) * N * (int64_t)sizeof(float4); }
+
+extern "C" int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V, rlk_dtype dtype) {
+    const int64_t logits_rows = N < LOGP_FP32_CHUNK_ROWS ? N : LOGP_FP32_CHUNK_ROWS;
+    return partials_bytes(N, V) +
+           (dtype == RLK_F32 ? logits_rows * LOGP_FP32_CHUNK_COLS * (int64_t)sizeof(float) : 0);
 }
 
 template <bool IS_BF16, bool ALIGNED>
@@ -397,12 +479,15 @@ static cudaError_t launch_partial(const rlk_linear_logp_args *a, float4 *partial
 }
 
 extern "C" int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, void *workspace, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    float4 *partials = (float4 *)workspace;
+    if (args->dtype == RLK_F32)
+        return linear_logp_fwd_fp32(args, partials,
+                                    (float *)((char *)workspace + partials_bytes(args->N, args->V)), s);
     if (args->dtype != RLK_BF16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
     const int64_t splits = logp_splits(args->V);
     if (args->D > INT32_MAX - LOGP_BK || args->V > INT32_MAX - LOGP_SPLIT_COLS || splits > 65535)
         return RLK_UNSUPPORTED;
-    cudaStream_t s = (cudaStream_t)stream;
-    float4 *partials = (float4 *)workspace;
     /* loader choice by layout only; both loaders produce identical shared-memory bytes */
     const bool aligned = ((uintptr_t)args->hidden % 16 == 0) && ((uintptr_t)args->weight % 16 == 0) &&
                          (args->ldh % 8 == 0) && (args->ldw % 8 == 0);

@@ -33,7 +33,7 @@ import torch
 
 from ..kernel_registry import resolve_backend
 from ._common import LIBRARY, _C, backend_and_stream, eager_direct
-from .gemm import _gemm_out_impl
+from .gemm import _DTYPE_CODES, _gemm_out_impl
 
 VOCAB_CHUNK = 4096
 WORKSPACE_BYTES = 128 << 20
@@ -79,7 +79,7 @@ def _forward_impl(hidden, weight, bias, target, temperature, ignore_index, backe
                           for _ in range(3))
     workspace, flag_address = None, 0
     if hidden.device.type == "cuda":
-        nbytes = _C.linear_logp_fwd_workspace_bytes(n, weight.shape[0])
+        nbytes = _C.linear_logp_fwd_workspace_bytes(n, weight.shape[0], _DTYPE_CODES[hidden.dtype])
         workspace = torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=hidden.device)
         flag_address = _bad_target_flag(hidden.device).data_ptr()
     _C.linear_logp_fwd(hidden, weight, bias, target, logp, entropy, lse, workspace, flag_address,
@@ -208,9 +208,6 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     if hidden.dtype not in _IN_DTYPES:
         raise TypeError(f"linear_logp(): hidden has dtype {hidden.dtype}; expected bfloat16, "
                         f"float16 or float32")
-    if hidden.dtype == torch.float32 and hidden.device.type == "cuda":
-        raise TypeError("linear_logp(): float32 hidden/weight are not supported on CUDA yet (the "
-                        "fused kernel takes bfloat16/float16); use those, or CPU tensors")
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(f"linear_logp(): weight and bias must have hidden's dtype {hidden.dtype}")
     if target.dtype != torch.int64:
