@@ -67,23 +67,21 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t smem_addr) {
                      : "r"(smem_addr));
 }
 
+/* One m16n8k16 tensor-core step, c += a * b, for bf16 or fp16 operands (the dtype tag picks). */
+#define MMA_16816_ASM(TYPE)                                                                      \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                  \
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"             \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2],
                                           __nv_bfloat16 /* dtype tag */) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    MMA_16816_ASM("bf16");
 }
-
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2],
                                           __half /* dtype tag */) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    MMA_16816_ASM("f16");
 }
+#undef MMA_16816_ASM
 
 /* ----------------------------------------------------------------------------------------------
  * Output element conversions (c and out have out_dtype: fp32, bf16 or fp16)

@@ -472,12 +472,6 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row
 
 /* ------------------------------------ linear_logp epilogue ---------------------------------- */
 
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 template <bool BF16>
 __device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
     if constexpr (BF16) return __uint_as_float((uint32_t)bits << 16);
@@ -524,8 +518,7 @@ __device__ __forceinline__ void load_bias_log2(float (&bias_log2)[BN / 8][2], in
 
 /* Folds one consumer warpgroup's 64 x BN logits tile d (columns col0 ..) into the row states: each
  * thread scales its BN/4 values of a row (x = acc * scale_log2 + bias * scale_log2, -inf past V), the
- * quad reduces max, then sum 2^(x - max) and sum 2^(x - max) (x - max) with xor shuffles (a + b == b + a,
- * so all four lanes get the same bits), and the tile's state is merged into the running one. */
+ * quad forms the tile's state (quad_tile_state), and it is merged into the running one. */
 template <int BN>
 __device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], const float (&bias_log2)[BN / 8][2],
                                                  int col0, logp_row_states &st, const logp_sm90_params &lp) {
@@ -533,30 +526,12 @@ __device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], const
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float x[BN / 8][2];
-        float tile_max = LOGP_EMPTY_MAX;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                x[j][e] = fmaf(d[4 * j + 2 * h + e], lp.scale_log2, bias_log2[j][e]);
-                tile_max = fmaxf(tile_max, x[j][e]);
-            }
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        float l = 0.f, S = 0.f;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float diff = x[j][e] - tile_max; /* -inf past V: p = 0, the clamp keeps S finite */
-                const float prob = exp2_approx(diff);
-                l += prob;
-                S = fmaf(prob, fmaxf(diff, LOGP_EMPTY_MAX), S);
-            }
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        S += __shfl_xor_sync(0xffffffffu, S, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        S += __shfl_xor_sync(0xffffffffu, S, 2);
+            for (int e = 0; e < 2; ++e) x[j][e] = fmaf(d[4 * j + 2 * h + e], lp.scale_log2, bias_log2[j][e]);
+        float tile_max, l, S;
+        quad_tile_state(x, tile_max, l, S);
         softmax_state_merge(st.m[h], st.l[h], st.S[h], tile_max, l, S);
         const int target_offset = st.target_col[h] - col_lane;
 #pragma unroll

@@ -35,6 +35,44 @@ static __device__ __forceinline__ void softmax_state_merge(float &m, float &l, f
     m = m_new;
 }
 
+static __device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* One row of a logits tile as the mma.sync / wgmma accumulator layouts spread it: a quad of lanes,
+ * NC column pairs x[j][0..1] per lane (log2 units, -inf past V). Gives the tile's state: the max
+ * over the quad, then l = sum 2^(x - max) and S = sum 2^(x - max) (x - max) in column order per
+ * lane, reduced with xor shuffles (a + b == b + a, so all four lanes hold the same bits). A -inf
+ * entry has p = 0; clamping its x - max keeps S finite. */
+template <int NC>
+static __device__ __forceinline__ void quad_tile_state(const float (&x)[NC][2], float &tile_max,
+                                                       float &l, float &S) {
+    tile_max = LOGP_EMPTY_MAX;
+#pragma unroll
+    for (int j = 0; j < NC; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) tile_max = fmaxf(tile_max, x[j][e]);
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    l = 0.0f;
+    S = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NC; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float diff = x[j][e] - tile_max;
+            const float p = exp2_approx(diff);
+            l += p;
+            S = fmaf(p, fmaxf(diff, LOGP_EMPTY_MAX), S);
+        }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    S += __shfl_xor_sync(0xffffffffu, S, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    S += __shfl_xor_sync(0xffffffffu, S, 2);
+}
+
 /* One thread per row: fold the splits in increasing order, then finish logp / entropy / lse.
  * Ignored rows give 0, 0, 0; an out-of-range target gives NaN and stores 1 to *bad_target. */
 static __global__ void linear_logp_merge_kernel(const float4 *__restrict__ partials, int64_t N,

@@ -118,12 +118,6 @@ __device__ __forceinline__ void mma_16816_zero_c(float d[4], const uint32_t a[4]
     }
 }
 
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
 template <bool IS_BF16>
 __device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
     if (IS_BF16) return __uint_as_float((uint32_t)bits << 16);
@@ -179,6 +173,22 @@ __device__ __forceinline__ void load_operand_slice(uint32_t smem_tile, const uin
     }
 }
 
+/* Issues the cp.async loads of the next (vocabulary tile, 64-wide D slice) of the flat pipeline into
+ * stage load_stage, then advances the slice, the tile when D is done, and the stage ring. */
+template <bool ALIGNED>
+__device__ __forceinline__ void load_next_slice(uint32_t smem_base, const uint16_t *hidden, int64_t ldh,
+                                                int64_t row0, int64_t N, const uint16_t *weight, int64_t ldw,
+                                                int V, int D, int tid, int &load_tile, int &load_k0,
+                                                int &load_stage) {
+    const uint32_t a_dst = smem_base + load_stage * LOGP_STAGE_BYTES;
+    load_operand_slice<LOGP_BM, ALIGNED>(a_dst, hidden, ldh, row0, N, load_k0, D, tid);
+    load_operand_slice<LOGP_BN, ALIGNED>(a_dst + LOGP_A_STAGE_BYTES, weight, ldw,
+                                         (int64_t)load_tile * LOGP_BN, V, load_k0, D, tid);
+    /* compare with D, not a slice count: keeps a register free */
+    if ((load_k0 += LOGP_BK) >= D) { load_k0 = 0; ++load_tile; }
+    load_stage = load_stage + 1 == LOGP_STAGES ? 0 : load_stage + 1;
+}
+
 template <bool IS_BF16, bool ALIGNED>
 __global__ void __launch_bounds__(LOGP_THREADS, 1)
 linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, const uint16_t *__restrict__ weight,
@@ -216,13 +226,8 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
 #pragma unroll
     for (int s = 0; s < LOGP_STAGES - 1; ++s) {
         if (s < total_iters) {
-            const uint32_t a_dst = smem_base + load_stage * LOGP_STAGE_BYTES;
-            load_operand_slice<LOGP_BM, ALIGNED>(a_dst, hidden, ldh, row0, N, load_k0, D, tid);
-            load_operand_slice<LOGP_BN, ALIGNED>(a_dst + LOGP_A_STAGE_BYTES, weight, ldw,
-                                                 (int64_t)load_tile * LOGP_BN, V, load_k0, D, tid);
-            /* compare with D, not a slice count: keeps a register free */
-            if ((load_k0 += LOGP_BK) >= D) { load_k0 = 0; ++load_tile; }
-            load_stage = load_stage + 1 == LOGP_STAGES ? 0 : load_stage + 1;
+            load_next_slice<ALIGNED>(smem_base, hidden, ldh, row0, N, weight, ldw, V, D, tid, load_tile,
+                                     load_k0, load_stage);
         }
         cp_async_commit();
     }
@@ -245,13 +250,8 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
         cp_async_wait<LOGP_STAGES - 2>();
         __syncthreads(); /* slice `it` visible; stage of slice it - 1 free for refill */
         if (it + LOGP_STAGES - 1 < total_iters) {
-            const uint32_t a_dst = smem_base + load_stage * LOGP_STAGE_BYTES;
-            load_operand_slice<LOGP_BM, ALIGNED>(a_dst, hidden, ldh, row0, N, load_k0, D, tid);
-            load_operand_slice<LOGP_BN, ALIGNED>(a_dst + LOGP_A_STAGE_BYTES, weight, ldw,
-                                                 (int64_t)load_tile * LOGP_BN, V, load_k0, D, tid);
-            /* compare with D, not a slice count: keeps a register free */
-            if ((load_k0 += LOGP_BK) >= D) { load_k0 = 0; ++load_tile; }
-            load_stage = load_stage + 1 == LOGP_STAGES ? 0 : load_stage + 1;
+            load_next_slice<ALIGNED>(smem_base, hidden, ldh, row0, N, weight, ldw, V, D, tid, load_tile,
+                                     load_k0, load_stage);
         }
         cp_async_commit();
 
@@ -321,31 +321,13 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
                 const int slot = mi * 2 + h;
                 const int row_local = warp_m * 64 + mi * 16 + h * 8 + (lane >> 2);
                 float x[8][2];
-                float tile_max = LOGP_EMPTY_MAX;
 #pragma unroll
                 for (int ni = 0; ni < 8; ++ni)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
+                    for (int e = 0; e < 2; ++e)
                         x[ni][e] = fmaf(acc[mi][ni][2 * h + e], scale_log2, bias_log2[ni][e]);
-                        tile_max = fmaxf(tile_max, x[ni][e]);
-                    }
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                float l = 0.0f, S = 0.0f;
-#pragma unroll
-                for (int ni = 0; ni < 8; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float d = x[ni][e] - tile_max; /* -inf past V: p = 0, clamped d keeps S finite */
-                        const float p = exp2_approx(d);
-                        l += p;
-                        S = fmaf(p, fmaxf(d, LOGP_EMPTY_MAX), S);
-                    }
-                /* a + b == b + a exactly, so every lane of the quad holds the same sums */
-                l += __shfl_xor_sync(0xffffffffu, l, 1);
-                S += __shfl_xor_sync(0xffffffffu, S, 1);
-                l += __shfl_xor_sync(0xffffffffu, l, 2);
-                S += __shfl_xor_sync(0xffffffffu, S, 2);
+                float tile_max, l, S;
+                quad_tile_state(x, tile_max, l, S);
                 if ((lane & 3) == 0) {
                     float4 *st = &states[(slot * 8 + warp) * 8 + (lane >> 2)];
                     float4 s = *st;
