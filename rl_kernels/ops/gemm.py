@@ -27,10 +27,6 @@ LIBRARY.define(
     "Tensor(a!) out) -> ()")
 
 
-def _backend_arg(backend: str | None) -> str:
-    return backend or "auto"
-
-
 _DTYPE_CODES = {torch.float32: _C.DTYPE_F32, torch.bfloat16: _C.DTYPE_BF16,
                 torch.float16: _C.DTYPE_F16, torch.float64: _C.DTYPE_F64}
 
@@ -163,7 +159,7 @@ def _rows_contiguous(t):
 def _run(a, b, c, alpha, beta, out_dtype, backend, out=None):
     """One GEMM through the fast eager path or the registered op; a, b are 2-D or 3-D; out, if
     given, has the result's shape."""
-    backend = _backend_arg(backend)
+    backend = backend or "auto"  # the op schema takes a string
     if out is None:
         if eager_direct(a, b, c):
             return _gemm_impl(a, b, c, alpha, beta, out_dtype, backend)

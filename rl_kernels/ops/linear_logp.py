@@ -66,10 +66,6 @@ def _raise_if_bad_target_seen():
                              "[0, V) that is not ignore_index; its rows hold NaN")
 
 
-def _backend_arg(backend):
-    return backend or "auto"
-
-
 def _forward_impl(hidden, weight, bias, target, temperature, ignore_index, backend):
     _raise_if_bad_target_seen()
     n = hidden.shape[0]
@@ -229,7 +225,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     t = target.reshape(-1).contiguous()
     w = _rows(weight)
     b = None if bias is None else bias.contiguous()
-    args = (h, w, b, t, float(temperature), int(ignore_index), _backend_arg(backend))
+    args = (h, w, b, t, float(temperature), int(ignore_index), backend or "auto")
     if eager_direct(h, w, b):
         logp, entropy, _ = _forward_impl(*args)
     else:
