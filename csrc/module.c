@@ -523,29 +523,72 @@ static PyObject *py_linear_logp_fwd(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------------------------------- */
 /* linear_logp_dlogits(logits, target, lse, entropy, grad_logp, grad_entropy, dlogits, v0,         */
-/*                     inv_temperature, ignore_index, stream)                                     */
+/*                     inv_temperature, ignore_index, stream, hidden=None, weight=None, bias=None) */
+/* -> True, or False when the fused form was asked for and no kernel takes these operands.        */
+/* logits None asks for the fused form: z = hidden @ weight^T + bias of the chunk is formed in    */
+/* registers (SM90 build, CUDA, dlogits in hidden's dtype); the caller then falls back to a GEMM  */
+/* into fp32 logits and the plain form.                                                           */
 /* ------------------------------------------------------------------------------------------- */
+
+/* The fused form's operands: hidden [rows, D], weight [cols, D], bias [cols] or None, one dtype. */
+static int prepare_dlogits_product(tensor_arg *hidden, tensor_arg *weight, tensor_arg *bias,
+                                   rlk_linear_logp_dlogits_args *d) {
+    if (!hidden->present || !weight->present) {
+        PyErr_SetString(PyExc_ValueError, "hidden, weight: required when logits is None");
+        return -1;
+    }
+    if (tensor_arg_check_ndim(hidden, 2, 2) || tensor_arg_check_ndim(weight, 2, 2) ||
+        tensor_arg_check_float(hidden) || tensor_arg_check_dtype(weight, hidden->dtype) ||
+        tensor_arg_check_same_device(weight, hidden))
+        return -1;
+    d->rows = hidden->shape[0];
+    d->cols = weight->shape[0];
+    d->D = hidden->shape[1];
+    if (weight->shape[1] != d->D) {
+        PyErr_Format(PyExc_ValueError, "weight: has %lld columns but hidden has %lld (D)",
+                     (long long)weight->shape[1], (long long)d->D);
+        return -1;
+    }
+    if (check_rows_contiguous(hidden, d->rows, d->D) || check_rows_contiguous(weight, d->cols, d->D))
+        return -1;
+    if (bias->present && (tensor_arg_check_same_device(bias, hidden) ||
+                          tensor_arg_check_dtype(bias, hidden->dtype) || check_vector(bias, d->cols)))
+        return -1;
+    d->hidden = hidden->data;
+    d->ldh = row_stride(hidden);
+    d->weight = weight->data;
+    d->ldw = row_stride(weight);
+    d->bias = bias->present ? bias->data : NULL;
+    return 0;
+}
 
 static PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *obj[7];
+    enum { N_TENSORS = 10 };
+    PyObject *obj[N_TENSORS];
+    obj[7] = obj[8] = obj[9] = Py_None;
     long long v0, ignore_index;
     double inv_temperature;
     unsigned long long stream;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLdLK:linear_logp_dlogits", &obj[0], &obj[1], &obj[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOLdLK|OOO:linear_logp_dlogits", &obj[0], &obj[1], &obj[2],
                           &obj[3], &obj[4], &obj[5], &obj[6], &v0, &inv_temperature,
-                          &ignore_index, &stream))
+                          &ignore_index, &stream, &obj[7], &obj[8], &obj[9]))
         return NULL;
-    static const char *names[7] = {"logits", "target", "lse", "entropy",
-                                   "grad_logp", "grad_entropy", "dlogits"};
-    static const int optional[7] = {0, 0, 0, 1, 1, 1, 0};
-    tensor_arg t[7] = {0};
-    int parsed = 0, ok = 1;
-    for (; parsed < 7 && ok; parsed++)
+    static const char *names[N_TENSORS] = {"logits", "target", "lse", "entropy", "grad_logp",
+                                           "grad_entropy", "dlogits", "hidden", "weight", "bias"};
+    static const int optional[N_TENSORS] = {1, 0, 0, 1, 1, 1, 0, 1, 1, 1};
+    tensor_arg t[N_TENSORS] = {0};
+    int parsed = 0, ok = 1, done = 1;
+    for (; parsed < N_TENSORS && ok; parsed++)
         ok = tensor_arg_parse(obj[parsed], names[parsed], optional[parsed], &t[parsed]) == 0;
+    tensor_arg *logits = &t[0], *target = &t[1], *dlogits = &t[6], *hidden = &t[7];
+    const int fused = ok && !logits->present;
+    const tensor_arg *ref = fused ? hidden : logits;  /* the tensor that sets rows, cols, device */
     rlk_linear_logp_dlogits_args d = {0};
-    if (ok) {
-        tensor_arg *logits = &t[0], *target = &t[1], *dlogits = &t[6];
+    if (ok && fused) {
+        ok = prepare_dlogits_product(hidden, &t[8], &t[9], &d) == 0 &&
+             tensor_arg_check_dtype(dlogits, hidden->dtype) == 0;
+    } else if (ok) {
         ok = tensor_arg_check_ndim(logits, 2, 2) == 0 &&
              tensor_arg_check_dtype(logits, RLK_F32) == 0 &&
              check_rows_contiguous(logits, logits->shape[0], logits->shape[1]) == 0;
@@ -553,11 +596,13 @@ static PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
             d.rows = logits->shape[0];
             d.cols = logits->shape[1];
         }
-        ok = ok && tensor_arg_check_float(dlogits) == 0 &&
+    }
+    if (ok) {
+        ok = tensor_arg_check_float(dlogits) == 0 &&
              check_rows_contiguous(dlogits, d.rows, d.cols) == 0 &&
              tensor_arg_check_writable(dlogits) == 0 &&
-             tensor_arg_check_same_device(dlogits, logits) == 0 &&
-             tensor_arg_check_same_device(target, logits) == 0 && check_vector(target, d.rows) == 0;
+             tensor_arg_check_same_device(dlogits, ref) == 0 &&
+             tensor_arg_check_same_device(target, ref) == 0 && check_vector(target, d.rows) == 0;
         if (ok && !target->is_index) {
             PyErr_SetString(PyExc_TypeError, "target: expected an int64 tensor");
             ok = 0;
@@ -569,21 +614,21 @@ static PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
         for (int i = 2; ok && i < 6; i++)
             if (t[i].present)
                 ok = tensor_arg_check_dtype(&t[i], RLK_F32) == 0 &&
-                     tensor_arg_check_same_device(&t[i], logits) == 0 &&
+                     tensor_arg_check_same_device(&t[i], ref) == 0 &&
                      check_vector(&t[i], d.rows) == 0;
         if (ok && t[5].present && !t[3].present) {
             PyErr_SetString(PyExc_ValueError, "entropy: required when grad_entropy is given");
             ok = 0;
         }
         /* dlogits may be the logits buffer itself (fp32, same rows); nothing else may overlap */
-        const int in_place = ok && dlogits->data == logits->data && dlogits->dtype == RLK_F32 &&
-                             row_stride(dlogits) == row_stride(logits);
-        if (ok && !in_place) ok = tensor_arg_check_no_overlap(dlogits, logits) == 0;
-        for (int i = 1; ok && i < 6; i++) ok = tensor_arg_check_no_overlap(dlogits, &t[i]) == 0;
+        const int in_place = ok && !fused && dlogits->data == logits->data &&
+                             dlogits->dtype == RLK_F32 && row_stride(dlogits) == row_stride(logits);
+        for (int i = in_place ? 1 : 0; ok && i < N_TENSORS; i++)
+            if (i != 6 && t[i].present) ok = tensor_arg_check_no_overlap(dlogits, &t[i]) == 0;
         if (ok) {
             d.v0 = v0;
-            d.logits = (const float *)logits->data;
-            d.ld_logits = row_stride(logits);
+            d.logits = fused ? NULL : (const float *)logits->data;
+            d.ld_logits = fused ? 0 : row_stride(logits);
             d.target = (const int64_t *)target->data;
             d.ignore_index = ignore_index;
             d.lse = (const float *)t[2].data;
@@ -598,26 +643,36 @@ static PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
     }
     if (ok && d.rows > 0 && d.cols > 0) {
         int status = RLK_UNSUPPORTED;
-        if (t[0].device.device_type == kDLCPU) {
-            Py_BEGIN_ALLOW_THREADS
-            status = rlk_linear_logp_dlogits_cpu(&d, num_threads());
-            Py_END_ALLOW_THREADS
+        if (ref->device.device_type == kDLCPU) {
+            if (!fused) {
+                Py_BEGIN_ALLOW_THREADS
+                status = rlk_linear_logp_dlogits_cpu(&d, num_threads());
+                Py_END_ALLOW_THREADS
+            }
         } else {
-#if defined(RLK_WITH_CUDA) && defined(RLK_HAVE_LINEAR_LOGP_SM80)
+#ifdef RLK_WITH_CUDA
             int previous;
-            if (enter_device(t[0].device.device_id, &previous) == 0) {
-                status = rlk_linear_logp_dlogits_cuda(&d, (void *)(uintptr_t)stream);
-                leave_device(t[0].device.device_id, previous);
+            if (enter_device(ref->device.device_id, &previous) == 0) {
+#ifdef RLK_HAVE_GEMM_SM90
+                if (fused) status = rlk_linear_logp_dlogits_sm90(&d, (void *)(uintptr_t)stream);
+#endif
+#ifdef RLK_HAVE_LINEAR_LOGP_SM80
+                if (!fused) status = rlk_linear_logp_dlogits_cuda(&d, (void *)(uintptr_t)stream);
+#endif
+                leave_device(ref->device.device_id, previous);
             } else {
                 ok = 0;
             }
 #endif
         }
-        if (ok && raise_for_status(status, "linear_logp_dlogits") != 0) ok = 0;
+        if (fused && status == RLK_UNSUPPORTED)
+            done = 0;
+        else if (ok && raise_for_status(status, "linear_logp_dlogits") != 0)
+            ok = 0;
     }
     release_all(t, parsed);
     if (!ok) return NULL;
-    Py_RETURN_NONE;
+    return PyBool_FromLong(done);
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -700,7 +755,8 @@ static PyMethodDef methods[] = {
      "bad_target_addr, inv_temperature, ignore_index, backend, stream)"},
     {"linear_logp_dlogits", py_linear_logp_dlogits, METH_VARARGS,
      "linear_logp_dlogits(logits, target, lse, entropy, grad_logp, grad_entropy, dlogits, v0, "
-     "inv_temperature, ignore_index, stream)"},
+     "inv_temperature, ignore_index, stream, hidden=None, weight=None, bias=None) -> bool; "
+     "logits=None: the fused form from hidden @ weight^T + bias (False: no kernel takes it)"},
     {"linear_logp_fwd_workspace_bytes", py_linear_logp_fwd_workspace_bytes, METH_VARARGS,
      "bytes of device workspace the GPU linear_logp forward needs for (N, V, dtype code)"},
     {"compiled_kernels", py_compiled_kernels, METH_NOARGS,

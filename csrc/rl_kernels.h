@@ -129,6 +129,11 @@ typedef struct rlk_linear_logp_dlogits_args {
     rlk_dtype out_dtype;
     void *dlogits;
     int64_t ld_dlogits;
+    /* Fused form (rlk_linear_logp_dlogits_sm90, logits == NULL): z = hidden [rows, D] @ weight^T + bias
+     * is formed in registers from the chunk's weight rows [cols, D] and bias [cols] (or NULL), all in
+     * out_dtype (bf16/fp16), so the fp32 logits are never written. */
+    const void *hidden, *weight, *bias;
+    int64_t ldh, ldw, D;
 } rlk_linear_logp_dlogits_args;
 
 /* csrc/cpu/linear_logp_cpu.c: fp32/bf16/fp16 inputs, OpenMP over rows. Returns RLK_BAD_TARGET
@@ -147,6 +152,10 @@ int rlk_linear_logp_dlogits_cuda(const rlk_linear_logp_dlogits_args *args, void 
 /* csrc/cuda/gemm_sm90.cu: the same forward on wgmma; bf16/fp16, D*2 bytes a multiple of 16,
  * 16-byte aligned hidden/weight (else RLK_UNSUPPORTED); workspace as for the sm80 kernel. */
 int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *workspace, void *stream);
+/* The fused dlogits (hidden, weight, bias given, logits NULL) on the GEMM's wgmma main loop; z's
+ * elements are bitwise those of rlk_gemm_sm90 (out fp32, C = bias). RLK_UNSUPPORTED: use
+ * rlk_gemm_sm90 + rlk_linear_logp_dlogits_cuda. */
+int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *args, void *stream);
 
 
 #ifdef __cplusplus

@@ -207,6 +207,63 @@ def test_bad_linear_logp_inputs(case):
         _C.linear_logp_fwd(*args)
 
 
+def _dlogits_args(**over):
+    rows, cols, d = 3, 5, 4
+    args = dict(logits=torch.randn(rows, cols), target=torch.tensor([0, 4, -100]),
+                lse=torch.randn(rows), entropy=torch.rand(rows), grad_logp=torch.randn(rows),
+                grad_entropy=torch.randn(rows), dlogits=torch.empty(rows, cols), v0=0, inv_t=1.0,
+                ignore=-100, stream=0, hidden=None, weight=None, bias=None)
+    args.update(over)
+    return tuple(args.values())
+
+
+def _fused(**over):
+    """The fused form: logits None, z from hidden @ weight^T (+ bias), bf16 operands."""
+    base = dict(logits=None, hidden=torch.randn(3, 4).bfloat16(),
+                weight=torch.randn(5, 4).bfloat16(), dlogits=torch.empty(3, 5).bfloat16())
+    base.update(over)
+    return _dlogits_args(**base)
+
+
+BAD_DLOGITS = [
+    ("logits wrong dtype", _dlogits_args(logits=torch.randn(3, 5).double()), TypeError, "logits:"),
+    ("dlogits wrong shape", _dlogits_args(dlogits=torch.empty(3, 4)), ValueError, "dlogits: expected"),
+    ("target wrong length", _dlogits_args(target=torch.zeros(2, dtype=torch.int64)), ValueError,
+     "target: expected shape"),
+    ("grad_entropy without entropy", _dlogits_args(entropy=None), ValueError, "entropy: required"),
+    ("fused without hidden", _fused(hidden=None), ValueError, "hidden, weight: required"),
+    ("fused weight D mismatch", _fused(weight=torch.randn(5, 3).bfloat16()), ValueError,
+     "weight: has 3 columns"),
+    ("fused weight dtype", _fused(weight=torch.randn(5, 4).half()), TypeError, "weight:"),
+    ("fused dlogits dtype", _fused(dlogits=torch.empty(3, 5)), TypeError, "dlogits:"),
+    ("fused bias length", _fused(bias=torch.randn(4).bfloat16()), ValueError, "bias: expected"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_DLOGITS, ids=[c[0] for c in BAD_DLOGITS])
+def test_bad_dlogits_inputs(case):
+    _, args, exc, message = case
+    with pytest.raises(exc, match=message):
+        _C.linear_logp_dlogits(*args)
+
+
+def test_dlogits_forms_on_cpu():
+    """The plain form computes dz (True); the fused form has no CPU kernel and answers False
+    without touching dlogits, so the caller falls back to logits + the plain form."""
+    args = _dlogits_args()
+    assert _C.linear_logp_dlogits(*args) is True
+    logits, target, lse, ent, g_logp, g_ent, dz = args[:7]
+    p = torch.exp(logits - lse[:, None])
+    onehot = torch.nn.functional.one_hot(target.clamp_min(0), 5).float()
+    ref = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (logits - lse[:, None] + ent[:, None])
+    ref[2] = 0  # ignore_index row
+    torch.testing.assert_close(dz, ref, rtol=1e-5, atol=1e-6)
+    fused = _fused()
+    before = fused[6].clone()
+    assert _C.linear_logp_dlogits(*fused) is False
+    assert torch.equal(fused[6].view(torch.int16), before.view(torch.int16))
+
+
 def test_gil_released_during_cpu_kernel():
     import threading
     import time

@@ -1,11 +1,14 @@
 """linear_logp on CUDA: accuracy vs fp64 at full Qwen3-8B head size, bitwise row invariance,
 deterministic backward, memory, bad targets without a host sync. Skipped without CUDA."""
 
+import functools
+
 import pytest
 import torch
 
 import rl_kernels
-from rl_kernels import kernel_registry
+from rl_kernels import _C, kernel_registry
+from rl_kernels.ops.gemm import _gemm_out_impl
 from conftest import HAS_CUDA, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -87,7 +90,8 @@ def test_ignore_index_and_bad_target_flag_without_sync(backend):
     assert torch.equal(rl_kernels.linear_logp(h, w, t, backend=backend), logp)  # flag cleared
 
 
-def test_backward_vs_fp64_and_deterministic():
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_backward_vs_fp64_and_deterministic(backend):
     h, w, b, t = problem(300, 256, 9000, seed=30, bias=True)
     t[7] = -100
     g_logp = cuda_randn(300, dtype=torch.float32, seed=31)
@@ -99,13 +103,57 @@ def test_backward_vs_fp64_and_deterministic():
         torch.autograd.backward((logp, ent), (g_logp.to(logp.dtype), g_ent.to(ent.dtype)))
         return [x.grad for x in leaves]
 
-    got = grads(h, w, b, rl_kernels.linear_logp)
+    ours = functools.partial(rl_kernels.linear_logp, backend=backend)
+    got = grads(h, w, b, ours)
     want = grads(h.double(), w.double(), b.double(), rl_kernels.NativeLinearLogpOp(torch.float64))
     for name, x, ref in zip(("hidden", "weight", "bias"), got, want):
         assert rel_err(x, ref) <= 1.5e-2, name
-    again = grads(h, w, b, rl_kernels.linear_logp)
+    again = grads(h, w, b, ours)
     for x, y in zip(got, again):
         assert torch.equal(x, y)
+
+
+@pytest.mark.skipif(not (HAS_CUDA and kernel_registry.backend_status("gemm", "sm90")[0]),
+                    reason="sm90 not usable")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols,bias", [(300, 4096, True), (17, 385, True), (1, 1000, False),
+                                            (129, 4096, False)])
+def test_fused_dlogits_equal_gemm_then_dlogits(rows, cols, bias, dtype):
+    """The backward's fused SM90 dz (z in registers) gives the bits of the two-step path: the SM90
+    GEMM into fp32 logits (+ bias), then the elementwise dlogits kernel. Covers a target inside and
+    outside the chunk, an ignored row, temperature, the register-store tail (cols = 385)."""
+    v0, d, inv_t = 64, 256, 1 / 0.7
+    h, w, b, t = problem(rows, d, v0 + cols, seed=70, bias=bias)
+    h, w = h.to(dtype), w.to(dtype)
+    b = None if b is None else b.to(dtype)
+    t[0] = -100
+    w_chunk, b_chunk = w[v0:], None if b is None else b[v0:]
+    z_full = h.float() @ w.float().t() + (0 if b is None else b.float())
+    lse = torch.logsumexp(z_full * inv_t, dim=1)
+    ent = cuda_randn(rows, dtype=torch.float32, seed=71).abs()
+    g_logp = cuda_randn(rows, dtype=torch.float32, seed=72)
+    g_ent = cuda_randn(rows, dtype=torch.float32, seed=73)
+    stream = torch.cuda.current_stream().cuda_stream
+    fused = torch.empty(rows, cols, dtype=dtype, device="cuda")
+    assert _C.linear_logp_dlogits(None, t, lse, ent, g_logp, g_ent, fused, v0, inv_t, -100, stream,
+                                  h, w_chunk, b_chunk)
+    logits = torch.empty(rows, cols, dtype=torch.float32, device="cuda")
+    _gemm_out_impl(h, w_chunk.t(), None if b_chunk is None else b_chunk.float(), 1.0, 1.0, "sm90",
+                   logits)
+    two_step = torch.empty_like(fused)
+    _C.linear_logp_dlogits(logits, t, lse, ent, g_logp, g_ent, two_step, v0, inv_t, -100, stream)
+    assert torch.equal(fused, two_step)
+    assert torch.equal(fused[0], torch.zeros_like(fused[0]))
+    # and against fp64 (the dz formula of rl_kernels.h)
+    s = (h.double() @ w_chunk.double().t() + (0 if b_chunk is None else b_chunk.double())) * inv_t
+    p = torch.exp(s - lse.double()[:, None])
+    onehot = torch.zeros_like(p)
+    inside = (t >= v0) & (t < v0 + cols)
+    onehot[inside, (t[inside] - v0)] = 1
+    ref = (g_logp.double()[:, None] * (onehot - p)
+           - g_ent.double()[:, None] * p * (s - lse.double()[:, None] + ent.double()[:, None])) * inv_t
+    ref[0] = 0
+    assert rel_err(fused, ref) <= 1e-2
 
 
 def test_grad_hidden_rows_invariant():

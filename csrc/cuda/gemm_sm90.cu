@@ -1,5 +1,5 @@
-/* gemm_sm90.cu: Hopper (sm_90a) batch-invariant GEMM, out = alpha * A @ B + beta * C, and the fused
- * linear_logp forward on the same main loop (see rl_kernels.h for both contracts).
+/* gemm_sm90.cu: Hopper (sm_90a) batch-invariant GEMM, out = alpha * A @ B + beta * C, and on the same main
+ * loop the fused linear_logp forward and the backward's fused dlogits (see rl_kernels.h for the contracts).
  *
  * Tile plan. A persistent grid (one CTA per SM) walks output tiles of BM x BN in a grouped order that
  * keeps a band of A rows and B columns hot in L2. Inside a CTA, warpgroup 0 is the producer: one thread
@@ -31,6 +31,11 @@
  * per-row online-softmax states (max, sum 2^(x - max), sum 2^(x - max) (x - max), target logit, log2
  * units) held in registers, written as one float4 per (split, row) to the workspace at the end of the
  * split. linear_logp_merge_kernel (linear_logp_common.cuh) folds a row's splits in increasing order.
+ *
+ * linear_logp backward (MODE_DLOGITS): the GEMM z = hidden @ weight_chunk^T + bias on the large config
+ * whose epilogue turns each z into d loss / d z (dlogit_value, per-row lse / entropy / gradients loaded
+ * before the tile's k loop) and stores that in the input dtype instead of z: the fp32 logits of the chunk
+ * are never written (198 vs 229 us per 4096 x 4096 x 4096 chunk for GEMM + elementwise kernel).
  *
  * Batch invariance. Every output element is produced by the same instruction sequence whatever the
  * config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
@@ -88,12 +93,23 @@ typedef struct gemm_sm90_params {
     int tma_store;                            /* store through shared memory + TMA (map_out is valid) */
 } gemm_sm90_params;
 
-/* linear_logp mode: the product is hidden [N, D] @ weight[V, D]^T (M = N rows, N = V columns, K = D). */
+/* What the kernel computes from the product (template parameter MODE). */
+enum {
+    MODE_GEMM,     /* out = alpha * A @ B + beta * C */
+    MODE_LOGP,     /* linear_logp forward: hidden [N, D] @ weight[V, D]^T folded into softmax partials */
+    MODE_DLOGITS,  /* linear_logp backward: out = d loss / d z of z = hidden @ weight_chunk^T + C (bias) */
+};
+
+/* The linear_logp modes' row data: the product is hidden [N, D] @ weight[V, D]^T (M = N rows, N = V
+ * columns, K = D), or a vocabulary chunk of it starting at column v0 (MODE_DLOGITS). */
 typedef struct logp_sm90_params {
-    const void *bias;       /* [V] in the input dtype, or NULL */
+    const void *bias;       /* MODE_LOGP: [V] in the input dtype, or NULL (MODE_DLOGITS: C) */
     const int64_t *target;  /* [N] */
-    float4 *partials;       /* [split][row] {m, l, S, x_target}, see fold_logits_tile */
-    float scale_log2;       /* inv_temperature * log2(e) */
+    float4 *partials;       /* MODE_LOGP: [split][row] {m, l, S, x_target}, see fold_logits_tile */
+    float scale_log2;       /* MODE_LOGP: inv_temperature * log2(e) */
+    const float *lse, *entropy, *grad_logp, *grad_entropy;  /* MODE_DLOGITS: [N] each; the last 3 may be NULL */
+    int64_t ignore_index, v0;
+    float inv_temperature;
 } logp_sm90_params;
 
 /* ------------------------------------ PTX wrappers ------------------------------------------ */
@@ -364,62 +380,152 @@ __device__ __forceinline__ void store_out2(float *o, float2 v) { *(float2 *)o = 
 __device__ __forceinline__ void store_out2(__nv_bfloat16 *o, float2 v) { *(__nv_bfloat162 *)o = __float22bfloat162_rn(v); }
 __device__ __forceinline__ void store_out2(__half *o, float2 v) { *(__half2 *)o = __float22half2_rn(v); }
 
-/* alpha * acc + beta * c, formed the same way (explicit rounding ops, no contraction choices) for
- * every element and config. */
-__device__ __forceinline__ float epilogue_value(float acc, float c, bool has_c, float alpha, float beta) {
-    return has_c ? __fmaf_rn(alpha, acc, __fmul_rn(beta, c)) : __fmul_rn(alpha, acc);
+/* The value stored for an accumulator element, as a function object called with (acc, c, has_c, h, col):
+ * h picks the thread's row (0: 16w + l/4, 1: + 8), col is the output column. */
+
+/* MODE_GEMM: alpha * acc + beta * c, formed the same way (explicit rounding ops, no contraction choices)
+ * for every element and config. */
+struct gemm_epilogue {
+    float alpha, beta;
+    __device__ __forceinline__ float operator()(float acc, float c, bool has_c, int, int) const {
+        return has_c ? __fmaf_rn(alpha, acc, __fmul_rn(beta, c)) : __fmul_rn(alpha, acc);
+    }
+};
+
+/* MODE_DLOGITS: d loss / d z (dlogit_value) of z = acc + bias (C is the bias row, ldc = 0) for the
+ * thread's two rows; ignored rows (and rows past N) get 0. */
+struct dlogits_epilogue {
+    float inv_temperature;
+    float lse[2], entropy[2], grad_logp[2], grad_entropy[2];
+    int target_col[2];  /* the target's column in this chunk, or -1 */
+    bool active[2];
+    __device__ __forceinline__ float operator()(float acc, float c, bool has_c, int h, int col) const {
+        const float z = has_c ? __fadd_rn(acc, c) : acc;
+        /* computed for every row and then selected: a branch per element kept the exps from overlapping */
+        const float dz =
+            dlogit_value(z, inv_temperature, lse[h], entropy[h], grad_logp[h], grad_entropy[h], col == target_col[h]);
+        return active[h] ? dz : 0.f;
+    }
+};
+
+template <int MODE>
+__device__ __forceinline__ auto tile_epilogue(int row0, const gemm_sm90_params &p, const logp_sm90_params &lp) {
+    if constexpr (MODE == MODE_DLOGITS) {
+        dlogits_epilogue e;
+        e.inv_temperature = lp.inv_temperature;
+        const int t = threadIdx.x % 128;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 16 * (t / 32) + (t % 32) / 4 + 8 * h;
+            const int64_t target = row < p.M ? lp.target[row] : lp.ignore_index;
+            e.active[h] = target != lp.ignore_index;
+            e.target_col[h] = (target >= lp.v0 && target < lp.v0 + p.N) ? (int)(target - lp.v0) : -1;
+            e.lse[h] = e.active[h] ? lp.lse[row] : 0.f;
+            e.entropy[h] = e.active[h] && lp.entropy ? lp.entropy[row] : 0.f;
+            e.grad_logp[h] = e.active[h] && lp.grad_logp ? lp.grad_logp[row] : 0.f;
+            e.grad_entropy[h] = e.active[h] && lp.grad_entropy ? lp.grad_entropy[row] : 0.f;
+        }
+        return e;
+    } else {
+        return gemm_epilogue{p.alpha, p.beta};
+    }
 }
 
-/* Writes one consumer warpgroup's 64 x BN accumulator block. wgmma's fp32 accumulator layout: thread
- * t (warp w = t / 32, lane l) holds, for j < BN/8, rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1) in
- * d[4j .. 4j+3]. */
+/* Forms the values to store, in place: d = epi(acc, C) over the consumer warpgroup's 64 x BN block.
+ * wgmma's fp32 accumulator layout: thread t (warp w = t / 32, lane l) holds, for j < BN/8, rows
+ * 16w + l/4 (+8) and columns 8j + 2(l%4) (+1) in d[4j .. 4j+3].
+ * C loads: a block inside M x N with pair-aligned C takes a branch-free path that issues them in batches
+ * of 2 x C_BATCH pairs before using any; per-element predicates put each load in its own branch, and the
+ * one L2 round trip per load that this cost made an fp32 beta = 1 GEMM take 1.5x the time of beta = 0. */
+#define C_BATCH 16
+template <int BN, typename OutT, typename Epilogue>
+__device__ __forceinline__ void apply_epilogue(float (&d)[BN / 2], int row0, int col0, const gemm_sm90_params &p,
+                                               const Epilogue &epi) {
+    const int t = threadIdx.x % 128;
+    const int row_base = row0 + 16 * (t / 32) + (t % 32) / 4;
+    const int col_base = col0 + 2 * (t % 4);
+    const OutT *c = (const OutT *)p.c;
+    const bool has_c = c != nullptr;
+    if (has_c && p.c_pairs_aligned && row0 + 64 <= p.M && col0 + BN <= p.N) {
+        constexpr int BATCH = BN / 8 < C_BATCH ? BN / 8 : C_BATCH;
+        const OutT *c_rows[2] = {c + (int64_t)row_base * p.ldc + col_base, c + (int64_t)(row_base + 8) * p.ldc + col_base};
+#pragma unroll
+        for (int j0 = 0; j0 < BN / 8; j0 += BATCH) {
+            float2 cv[2][BATCH];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int jj = 0; jj < BATCH; ++jj) cv[h][jj] = load_c2(c_rows[h] + 8 * (j0 + jj));
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int jj = 0; jj < BATCH; ++jj) {
+                    const int j = j0 + jj, col = col_base + 8 * j;
+                    d[4 * j + 2 * h] = epi(d[4 * j + 2 * h], cv[h][jj].x, true, h, col);
+                    d[4 * j + 2 * h + 1] = epi(d[4 * j + 2 * h + 1], cv[h][jj].y, true, h, col + 1);
+                }
+        }
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_base + 8 * h;
+        const OutT *c_row = (has_c && row < p.M) ? c + (int64_t)row * p.ldc : nullptr;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int col = col_base + 8 * j;
+            float2 cv = make_float2(0.f, 0.f);
+            if (c_row != nullptr) {
+                if (p.c_pairs_aligned && col + 1 < p.N) {
+                    cv = load_c2(c_row + col);
+                } else {
+                    if (col < p.N) cv.x = load_c(c_row + col);
+                    if (col + 1 < p.N) cv.y = load_c(c_row + col + 1);
+                }
+            }
+            d[4 * j + 2 * h] = epi(d[4 * j + 2 * h], cv.x, has_c, h, col);
+            d[4 * j + 2 * h + 1] = epi(d[4 * j + 2 * h + 1], cv.y, has_c, h, col + 1);
+        }
+    }
+}
+
+/* Stores the block formed by apply_epilogue from registers, with row/column predicates. */
 template <int BN, typename OutT>
 __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row0, int col0, const gemm_sm90_params &p) {
     const int t = threadIdx.x % 128;
     const int row_base = row0 + 16 * (t / 32) + (t % 32) / 4;
     const int col_base = col0 + 2 * (t % 4);
-    const OutT *c = (const OutT *)p.c;
     OutT *out = (OutT *)p.out;
-    const bool has_c = c != nullptr;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row_base + 8 * h;
         if (row >= p.M) continue;
         OutT *out_row = out + (int64_t)row * p.ldo;
-        const OutT *c_row = has_c ? c + (int64_t)row * p.ldc : nullptr;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             const int col = col_base + 8 * j;
-            if (col + 1 < p.N && p.out_pairs_aligned && (!has_c || p.c_pairs_aligned)) {
-                const float2 cv = has_c ? load_c2(c_row + col) : make_float2(0.f, 0.f);
-                float2 v;
-                v.x = epilogue_value(d[4 * j + 2 * h], cv.x, has_c, p.alpha, p.beta);
-                v.y = epilogue_value(d[4 * j + 2 * h + 1], cv.y, has_c, p.alpha, p.beta);
-                store_out2(out_row + col, v);
+            if (col + 1 < p.N && p.out_pairs_aligned) {
+                store_out2(out_row + col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
             } else {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if (col + e < p.N) {
-                        const float cv = has_c ? load_c(c_row + col + e) : 0.f;
-                        store_out(out_row + col + e, epilogue_value(d[4 * j + 2 * h + e], cv, has_c, p.alpha, p.beta));
-                    }
-                }
+                for (int e = 0; e < 2; ++e)
+                    if (col + e < p.N) store_out(out_row + col + e, d[4 * j + 2 * h + e]);
             }
         }
     }
 }
 
 /* Epilogue through shared memory (2-consumer GEMM configs, out 16-byte aligned with a 16-byte multiple
- * row stride): the warpgroup's 64 x BN block goes out in rounds of 64 rows x 128 bytes. Each round the
- * threads write their values (formed exactly as in store_tile) into one of two 8 KB buffers in the TMA's
- * 128-byte swizzle (16-byte chunk q of row r at chunk q ^ (r % 8): a warp's 8 rows x 16 bytes hit all 32
- * banks once), and one thread issues a TMA store of the box, which clips the M/N tails. The consumers then
- * return to the next tile's wgmmas while the copy engine writes global memory; a buffer is rewritten only
- * after the store issued two rounds earlier has finished reading it (tiles with an even number of rounds
- * start at buffer 0; with one round, every tile uses buffer 0 after the previous tile's store). */
+ * row stride): the block formed by apply_epilogue goes out in rounds of 64 rows x 128 bytes. Each round the
+ * threads write their values into one of two 8 KB buffers in the TMA's 128-byte swizzle (16-byte chunk q
+ * of row r at chunk q ^ (r % 8): a warp's 8 rows x 16 bytes hit all 32 banks once), and one thread issues
+ * a TMA store of the box, which clips the M/N tails. The consumers then return to the next tile's wgmmas
+ * while the copy engine writes global memory; a buffer is rewritten only after the store issued two rounds
+ * earlier has finished reading it (tiles with an even number of rounds start at buffer 0; with one round,
+ * every tile uses buffer 0 after the previous tile's store). Same rounding as store_tile. */
 #define EPI_BOX_BYTES (64 * 128)
 template <int BN, typename OutT>
-__device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row0, int col0, const gemm_sm90_params &p,
+__device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row0, int col0,
                                                const CUtensorMap *map_out, uint32_t epi_smem, uint32_t barrier_id) {
     constexpr int ROUND_COLS = 128 / (int)sizeof(OutT);
     constexpr int ROUNDS = BN / ROUND_COLS;
@@ -427,10 +533,6 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row
     static_assert(ROUNDS % 2 == 0 || ROUNDS == 1, "buffer parity must restart with each tile");
     const int t = threadIdx.x % 128, lane = t % 32;
     const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h; tile_row % 8 == lane / 4 */
-    const int col_base = col0 + 2 * (lane % 4);
-    const OutT *c = (const OutT *)p.c;
-    const bool has_c = c != nullptr;
-    const bool c_pairs = has_c && p.c_pairs_aligned;
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
         const uint32_t buf = epi_smem + (r % 2) * EPI_BOX_BYTES;
@@ -438,27 +540,12 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row
         warpgroup_sync(barrier_id);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = row0 + tile_row + 8 * h;
-            const OutT *c_row = (has_c && row < p.M) ? c + (int64_t)row * p.ldc : nullptr;
 #pragma unroll
             for (int jj = 0; jj < ROUND_COLS / 8; ++jj) {
                 const int j = r * (ROUND_COLS / 8) + jj;
-                const int col = col_base + 8 * j;
-                float2 cv = make_float2(0.f, 0.f);
-                if (c_row != nullptr) {
-                    if (c_pairs && col + 1 < p.N) {
-                        cv = load_c2(c_row + col);
-                    } else {
-                        if (col < p.N) cv.x = load_c(c_row + col);
-                        if (col + 1 < p.N) cv.y = load_c(c_row + col + 1);
-                    }
-                }
-                float2 v;
-                v.x = epilogue_value(d[4 * j + 2 * h], cv.x, has_c, p.alpha, p.beta);
-                v.y = epilogue_value(d[4 * j + 2 * h + 1], cv.y, has_c, p.alpha, p.beta);
                 const int byte = (8 * jj + 2 * (lane % 4)) * (int)sizeof(OutT);
                 const uint32_t addr = buf + (tile_row + 8 * h) * 128 + (((byte / 16) ^ (lane / 4)) * 16) + byte % 16;
-                st_shared_pair(addr, v, (OutT *)nullptr);
+                st_shared_pair(addr, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), (OutT *)nullptr);
             }
         }
         fence_proxy_async_smem();
@@ -575,14 +662,14 @@ __device__ __forceinline__ void work_coords(int work, int m_groups, int n_units,
 }
 
 /* two epilogue buffers per consumer for the 2-consumer GEMM kernels (store_tile_tma) */
-template <int CONSUMERS, bool LOGP>
+template <int CONSUMERS, int MODE>
 __host__ __device__ constexpr int epi_buffers() {
-    return CONSUMERS == 2 && !LOGP ? 2 * CONSUMERS : 0;
+    return CONSUMERS == 2 && MODE != MODE_LOGP ? 2 * CONSUMERS : 0;
 }
 
-template <int BN, int CONSUMERS, int STAGES, bool LOGP>
+template <int BN, int CONSUMERS, int STAGES, int MODE>
 constexpr int gemm_sm90_smem_bytes() {
-    return STAGES * (64 * CONSUMERS + BN) * BK * 2 + epi_buffers<CONSUMERS, LOGP>() * EPI_BOX_BYTES + SMEM_ALIGN +
+    return STAGES * (64 * CONSUMERS + BN) * BK * 2 + epi_buffers<CONSUMERS, MODE>() * EPI_BOX_BYTES + SMEM_ALIGN +
            2 * STAGES * 8;
 }
 
@@ -664,21 +751,22 @@ __device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_tiles, int &i
  * multicast into both, which halves B's L2 -> SM traffic. LOGP: the linear_logp forward; a column work
  * unit is a vocabulary split of LOGP_SPLIT_COLS / BN tiles walked in increasing order, each tile folded
  * into per-row softmax states instead of being stored (OutT unused). */
-template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, typename OutT, bool LOGP>
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, typename OutT, int MODE>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ CUtensorMap map_out, const gemm_sm90_params p, const logp_sm90_params lp) {
     constexpr int BM = 64 * CONSUMERS;
+    constexpr bool LOGP = MODE == MODE_LOGP;
     constexpr int TILES_PER_UNIT = LOGP ? LOGP_SPLIT_COLS / BN : 1;
-    constexpr bool TMA_EPILOGUE = epi_buffers<CONSUMERS, LOGP>() > 0;
+    constexpr bool TMA_EPILOGUE = epi_buffers<CONSUMERS, MODE>() > 0;
     constexpr uint32_t A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2;
     constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
-    static_assert(!LOGP || (LOGP_SPLIT_COLS % BN == 0 && !A_MN && !B_MN), "linear_logp: K-major operands");
+    static_assert(MODE == MODE_GEMM || (LOGP_SPLIT_COLS % BN == 0 && !A_MN && !B_MN), "linear_logp: K-major operands");
     extern __shared__ uint8_t smem_raw[];
     const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
     const uint32_t a_smem = smem, b_smem = smem + STAGES * A_STAGE;
     const uint32_t epi_smem = b_smem + STAGES * B_STAGE;  /* 1024-aligned: stage sizes are multiples of 1 KB */
-    const uint32_t full_bar = epi_smem + epi_buffers<CONSUMERS, LOGP>() * EPI_BOX_BYTES;
+    const uint32_t full_bar = epi_smem + epi_buffers<CONSUMERS, MODE>() * EPI_BOX_BYTES;
     const uint32_t empty_bar = full_bar + STAGES * 8;
     const int cta_rank = CLUSTER == 1 ? 0 : (int)cluster_ctarank();
 
@@ -769,17 +857,19 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                 }
                 store_partials(st, row0, n_unit, p, lp);
             } else {
+                const int col0 = n_unit * BN;
+                const auto epi = tile_epilogue<MODE>(row0, p, lp);
                 mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, 0>(d, p.k_tiles, it, a_rows, b_smem,
                                                                               full_bar, empty_bar, cta_rank);
+                apply_epilogue<BN, OutT>(d, row0, col0, p, epi);
                 bool stored = false;
                 if constexpr (TMA_EPILOGUE) {
                     if (p.tma_store) {
-                        store_tile_tma<BN, OutT>(d, row0, n_unit * BN, p, &map_out, epi_smem + c * 2 * EPI_BOX_BYTES,
-                                                 1 + c);
+                        store_tile_tma<BN, OutT>(d, row0, col0, &map_out, epi_smem + c * 2 * EPI_BOX_BYTES, 1 + c);
                         stored = true;
                     }
                 }
-                if (!stored) store_tile<BN, OutT>(d, row0, n_unit * BN, p);
+                if (!stored) store_tile<BN, OutT>(d, row0, col0, p);
             }
         }
         /* the last stores must finish reading shared memory before the CTA exits */
@@ -823,7 +913,7 @@ static bool make_tensor_map(CUtensorMap *map, CUtensorMapDataType dtype, const v
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, typename OutT, bool LOGP>
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, typename OutT, int MODE>
 static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const logp_sm90_params &lp, int device,
                             int num_sms, cudaStream_t stream) {
     constexpr int BM = 64 * CONSUMERS;
@@ -845,14 +935,14 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     }
     /* out as [M rows, N columns] in boxes of 64 rows x 128 bytes (store_tile_tma); else the register path */
     p.tma_store = 0;
-    if (epi_buffers<CONSUMERS, LOGP>() > 0 && (uintptr_t)args->out % 16 == 0 &&
+    if (epi_buffers<CONSUMERS, MODE>() > 0 && (uintptr_t)args->out % 16 == 0 &&
         (args->ldo * (int64_t)sizeof(OutT)) % 16 == 0 && args->ldo * (int64_t)sizeof(OutT) < (1ll << 40)) {
         const CUtensorMapDataType out_type = sizeof(OutT) == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : in_type;
         p.tma_store = make_tensor_map(&map_out, out_type, args->out, args->N, args->M, args->ldo * (int64_t)sizeof(OutT),
                                       128 / (int)sizeof(OutT), 64);
     }
-    auto kernel = gemm_sm90_kernel<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, OutT, LOGP>;
-    constexpr int smem_bytes = gemm_sm90_smem_bytes<BN, CONSUMERS, STAGES, LOGP>();
+    auto kernel = gemm_sm90_kernel<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, OutT, MODE>;
+    constexpr int smem_bytes = gemm_sm90_smem_bytes<BN, CONSUMERS, STAGES, MODE>();
     static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
     cudaLaunchConfig_t config;
@@ -887,7 +977,7 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     }
     p.m_tiles = (int)((args->M + BM - 1) / BM);
     p.col_tiles = (int)((args->N + BN - 1) / BN);
-    p.n_units = LOGP ? (int)((args->N + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS) : p.col_tiles;
+    p.n_units = MODE == MODE_LOGP ? (int)((args->N + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS) : p.col_tiles;
     const int work = (p.m_tiles + CLUSTER - 1) / CLUSTER * p.n_units;
     config.gridDim = dim3((work < max_clusters[device] ? work : max_clusters[device]) * CLUSTER);
     const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, p, lp);
@@ -933,19 +1023,19 @@ template <bool A_MN, bool B_MN, bool BF16, typename OutT>
 static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_params &p, int device, int num_sms,
                          cudaStream_t stream) {
     if (config == CONFIG_LARGE)
-        return launch_gemm_sm90<256, 2, 4, 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+        return launch_gemm_sm90<256, 2, 4, 2, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms, stream);
     if (config == CONFIG_MEDIUM)
-        return launch_gemm_sm90<128, 2, 6, 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+        return launch_gemm_sm90<128, 2, 6, 2, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms, stream);
     if (config == CONFIG_TALL)  /* B multicast needs K-major B: half of a 64-wide MN-major box is no box */
-        return launch_gemm_sm90<64, 2, 8, B_MN ? 1 : 2, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms,
+        return launch_gemm_sm90<64, 2, 8, B_MN ? 1 : 2, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms,
                                                                                         stream);
     if constexpr (!B_MN) {
         if (config == CONFIG_NARROW32)
-            return launch_gemm_sm90<32, 1, 16, 1, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<32, 1, 16, 1, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms, stream);
         if (config == CONFIG_NARROW16)
-            return launch_gemm_sm90<16, 1, 20, 1, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<16, 1, 20, 1, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms, stream);
     }
-    return launch_gemm_sm90<64, 1, 12, 1, A_MN, B_MN, BF16, OutT, false>(args, p, {}, device, num_sms, stream);
+    return launch_gemm_sm90<64, 1, 12, 1, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms, stream);
 }
 
 template <bool BF16, typename OutT>
@@ -1047,8 +1137,70 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *
     lp.scale_log2 = args->inv_temperature * LOG2E;
 
     cudaStream_t s = (cudaStream_t)stream;
-    const int rc = bf16 ? launch_gemm_sm90<128, 2, 6, 2, false, false, true, float, true>(&g, p, lp, device, num_sms, s)
-                        : launch_gemm_sm90<128, 2, 6, 2, false, false, false, float, true>(&g, p, lp, device, num_sms, s);
+    const int rc = bf16 ? launch_gemm_sm90<128, 2, 6, 2, false, false, true, float, MODE_LOGP>(&g, p, lp, device, num_sms, s)
+                        : launch_gemm_sm90<128, 2, 6, 2, false, false, false, float, MODE_LOGP>(&g, p, lp, device, num_sms, s);
     if (rc != RLK_OK) return rc;
     return launch_linear_logp_merge(args, lp.partials, s);
+}
+
+/* ------------------------------------ linear_logp backward ---------------------------------- */
+
+/* The large tile config's main loop (the GEMM's z, bitwise) with the dlogits epilogue: z of the chunk never
+ * leaves registers; dz goes out through the same store paths as a GEMM tile. */
+extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *args, void *stream) {
+    const bool bf16 = args->out_dtype == RLK_BF16;
+    if ((!bf16 && args->out_dtype != RLK_F16) || args->logits != nullptr || args->hidden == nullptr ||
+        args->weight == nullptr)
+        return RLK_UNSUPPORTED;
+    if (args->D <= 0 || args->D >= INT32_MAX || args->rows >= INT32_MAX || args->cols >= INT32_MAX)
+        return RLK_UNSUPPORTED;
+    if (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)) return RLK_UNSUPPORTED;
+
+    int device, num_sms;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return (int)err;
+
+    /* z = hidden @ weight_chunk^T + 1 * bias: A = hidden (K-major), B = weight^T (b_trans = 1), C = the bias
+     * row broadcast over the rows (ldc = 0) */
+    rlk_gemm_args g;
+    memset(&g, 0, sizeof(g));
+    g.M = args->rows;
+    g.N = args->cols;
+    g.K = args->D;
+    g.in_dtype = g.out_dtype = args->out_dtype;
+    g.a = args->hidden;
+    g.lda = args->ldh;
+    g.b = args->weight;
+    g.ldb = args->ldw;
+    g.b_trans = 1;
+    g.out = args->dlogits;
+    g.ldo = args->ld_dlogits;
+    gemm_sm90_params p;
+    memset(&p, 0, sizeof(p));
+    p.M = (int)args->rows;
+    p.N = (int)args->cols;
+    p.k_tiles = (int)((args->D + BK - 1) / BK);
+    p.c = args->bias;
+    p.ldc = 0;
+    p.out = args->dlogits;
+    p.ldo = args->ld_dlogits;
+    p.c_pairs_aligned = args->bias != nullptr && pairs_aligned(args->bias, 0, 2);
+    p.out_pairs_aligned = pairs_aligned(args->dlogits, args->ld_dlogits, 2);
+    logp_sm90_params lp;
+    memset(&lp, 0, sizeof(lp));
+    lp.target = args->target;
+    lp.lse = args->lse;
+    lp.entropy = args->entropy;
+    lp.grad_logp = args->grad_logp;
+    lp.grad_entropy = args->grad_entropy;
+    lp.ignore_index = args->ignore_index;
+    lp.v0 = args->v0;
+    lp.inv_temperature = args->inv_temperature;
+
+    cudaStream_t s = (cudaStream_t)stream;
+    return bf16 ? launch_gemm_sm90<256, 2, 4, 2, false, false, true, __nv_bfloat16, MODE_DLOGITS>(&g, p, lp, device,
+                                                                                                   num_sms, s)
+                : launch_gemm_sm90<256, 2, 4, 2, false, false, false, __half, MODE_DLOGITS>(&g, p, lp, device, num_sms,
+                                                                                           s);
 }

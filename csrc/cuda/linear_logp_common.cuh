@@ -35,6 +35,18 @@ static __device__ __forceinline__ void softmax_state_merge(float &m, float &l, f
     m = m_new;
 }
 
+/* d loss / d z of one logit z of a row (rl_kernels.h, linear_logp backward): s = z / T, p = exp(s - lse),
+ * (g_logp * (1[target] - p) - g_ent * p * (s - lse + entropy)) / T. Explicitly rounded operations (no
+ * contraction choices), so the fused SM90 epilogue and the elementwise kernel give the same bits. */
+static __device__ __forceinline__ float dlogit_value(float z, float inv_temperature, float lse, float entropy,
+                                                     float grad_logp, float grad_entropy, bool is_target) {
+    const float x = __fsub_rn(__fmul_rn(z, inv_temperature), lse);
+    const float p = expf(x);
+    const float d_logp = __fmul_rn(grad_logp, __fsub_rn(is_target ? 1.0f : 0.0f, p));
+    const float d_entropy = __fmul_rn(__fmul_rn(grad_entropy, p), __fadd_rn(x, entropy));
+    return __fmul_rn(__fsub_rn(d_logp, d_entropy), inv_temperature);
+}
+
 static __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

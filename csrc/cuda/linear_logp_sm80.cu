@@ -541,12 +541,8 @@ __global__ void linear_logp_dlogits_kernel(rlk_linear_logp_dlogits_args a) {
                 for (int j = 0; j < 4; ++j) zv[j] = j < n_cols ? z[j] : 0.0f;
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float s = zv[j] * a.inv_temperature;
-                const float p = expf(s - lse);
-                const float onehot = t_rel == j ? 1.0f : 0.0f;
-                d[j] = (g_logp * (onehot - p) - g_ent * p * (s - lse + ent)) * a.inv_temperature;
-            }
+            for (int j = 0; j < 4; ++j)
+                d[j] = dlogit_value(zv[j], a.inv_temperature, lse, ent, g_logp, g_ent, t_rel == j);
         }
         if (VEC && n_cols == 4) {
             store4(out, d);

@@ -12,13 +12,14 @@ softmax over a vocabulary order fixed by V; extra memory O(N).
 Backward (docs/operators/linear_logp.md has the math): the vocabulary is walked in chunks of
 VOCAB_CHUNK columns (a constant, so a row's dH sums the same chunks in the same order for every N)
 and the rows in chunks that fit WORKSPACE_BYTES. Per (vocab chunk, row chunk):
-    z   = H_rows @ W_chunk^T + b_chunk                 (rl_kernels GEMM, fp32 out)
-    dz  = d loss / d z                                  (_C.linear_logp_dlogits, input dtype)
+    dz  = d loss / d z of z = H_rows @ W_chunk^T + b_chunk   (input dtype)
     dH_rows  += dz @ W_chunk                            (GEMM, fp32 accumulator)
     dW_chunk += dz^T @ H_rows,  db_chunk += 1^T dz      (GEMM; fixed order over row chunks)
-Every product runs on rl_kernels' own batch-invariant GEMMs, so dH rows are batch-invariant and dW,
-db are deterministic (no atomics). Extra memory: WORKSPACE_BYTES + the fp32 dH accumulator
-+ one fp32 [VOCAB_CHUNK, D] dW accumulator when the rows need more than one chunk.
+dz comes from one fused kernel on SM90 (z stays in registers, _C.linear_logp_dlogits with
+logits=None), elsewhere from a GEMM into fp32 logits followed by the elementwise
+_C.linear_logp_dlogits. Every product runs on rl_kernels' own batch-invariant GEMMs, so dH rows are
+batch-invariant and dW, db are deterministic (no atomics). Extra memory: WORKSPACE_BYTES + the fp32
+dH accumulator + one fp32 [VOCAB_CHUNK, D] dW accumulator when the rows need more than one chunk.
 
 Out-of-range targets: the CPU path raises ValueError at once. The CUDA path must not synchronize,
 so its kernel writes NaN into that row and sets a flag in pinned host memory; the flag is read (no
@@ -83,9 +84,17 @@ def _forward_impl(hidden, weight, bias, target, temperature, ignore_index, backe
     return logp, entropy, lse
 
 
-def _row_chunk(n: int) -> int:
-    per_row = VOCAB_CHUNK * (4 + 4)  # fp32 logits + dz (at most fp32)
-    return max(1, min(n, WORKSPACE_BYTES // per_row))
+def _fused_dlogits(hidden, weight, gemm_backend) -> bool:
+    """Whether dz can come from the fused SM90 kernel: rlk_linear_logp_dlogits_sm90 takes bf16/fp16
+    operands whose rows are 16-byte aligned (its call still answers False otherwise, and the chunk
+    then goes through fp32 logits)."""
+    rows_aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+                       for t in (hidden, weight))
+    return gemm_backend == "sm90" and hidden.dtype != torch.float32 and rows_aligned
+
+
+def _row_chunk(n: int, bytes_per_logit: int) -> int:
+    return max(1, min(n, WORKSPACE_BYTES // (VOCAB_CHUNK * bytes_per_logit)))
 
 
 def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy,
@@ -99,12 +108,14 @@ def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_e
     grad_hidden = torch.zeros(n, d, dtype=torch.float32, device=device)
     grad_weight = torch.empty(v, d, dtype=dtype, device=device)
     grad_bias = torch.empty(v if bias is not None else 0, dtype=dtype, device=device)
-    rows_per_chunk = _row_chunk(n)
+    fused = _fused_dlogits(hidden, weight, gemm_backend)
+    # workspace per logit: dz, plus the fp32 logits when they are materialized
+    rows_per_chunk = _row_chunk(n, hidden.element_size() + (0 if fused else 4))
     # dW and db of a vocabulary chunk are written directly when one row chunk holds every row;
     # otherwise they are summed over the row chunks, in order, in fp32 and rounded once.
     accumulate = rows_per_chunk < n
     beta = 1.0 if accumulate else 0.0
-    logits_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=torch.float32, device=device)
+    logits_buf = None
     dz_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=dtype, device=device)
     ones = torch.ones(1, rows_per_chunk, dtype=dtype, device=device)
     inv_t = 1.0 / temperature
@@ -112,7 +123,6 @@ def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_e
         v1 = min(v, v0 + VOCAB_CHUNK)
         cols = v1 - v0
         w_chunk = weight[v0:v1]
-        b_chunk = None if bias is None else bias[v0:v1].float()
         dw = torch.zeros(cols, d, dtype=torch.float32, device=device) if accumulate \
             else grad_weight[v0:v1]
         db = None
@@ -123,14 +133,20 @@ def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_e
             r1 = min(n, r0 + rows_per_chunk)
             rows = r1 - r0
             h_rows = hidden[r0:r1]
-            logits = logits_buf[: rows * cols].view(rows, cols)
-            _gemm_out_impl(h_rows, w_chunk.t(), b_chunk, 1.0, 1.0, gemm_backend, logits)
             dz = dz_buf[: rows * cols].view(rows, cols)
-            _C.linear_logp_dlogits(
-                logits, target[r0:r1], lse[r0:r1], entropy[r0:r1],
-                None if grad_logp is None else grad_logp[r0:r1],
-                None if grad_entropy is None else grad_entropy[r0:r1],
-                dz, v0, inv_t, ignore_index, stream)
+            row_args = (target[r0:r1], lse[r0:r1], entropy[r0:r1],
+                        None if grad_logp is None else grad_logp[r0:r1],
+                        None if grad_entropy is None else grad_entropy[r0:r1])
+            if not (fused and _C.linear_logp_dlogits(
+                    None, *row_args, dz, v0, inv_t, ignore_index, stream, h_rows, w_chunk,
+                    None if bias is None else bias[v0:v1])):
+                if logits_buf is None:
+                    logits_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=torch.float32,
+                                             device=device)
+                logits = logits_buf[: rows * cols].view(rows, cols)
+                _gemm_out_impl(h_rows, w_chunk.t(), None if bias is None else bias[v0:v1].float(),
+                               1.0, 1.0, gemm_backend, logits)
+                _C.linear_logp_dlogits(logits, *row_args, dz, v0, inv_t, ignore_index, stream)
             dh = grad_hidden[r0:r1]
             _gemm_out_impl(dz, w_chunk, dh, 1.0, 1.0, gemm_backend, dh)
             _gemm_out_impl(dz.t(), h_rows, dw, 1.0, beta, gemm_backend, dw)
