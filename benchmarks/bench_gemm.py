@@ -3,7 +3,7 @@
 Shapes: the Qwen3-8B linear layers (K -> N) for M in {1, 16, 64, 256, 1024, 4096, 16384}, plus
 4096^3 and 8192^3. Forward: one GEMM. Backward: dA = g @ W and dB = A^T @ g (what autograd runs)
 against the same two cuBLAS GEMMs. Median ms over CUDA events with inputs rotated past L2;
-ratio = cuBLAS ms / ours. Floors: FLOP floor = 2MNK / (measured cuBLAS peak), byte floor =
+ratio = cuBLAS ms / ours, with cuBLAS and ours interleaved call by call. Floors: FLOP floor = 2MNK / (measured cuBLAS peak), byte floor =
 (MK + KN + MN) * 2 bytes / (measured copy bandwidth); both recorded beside the numbers.
 
 Writes benchmarks/results/<gpu>-gemm.json, a table in docs/benchmarks.md and
@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rl_kernels  # noqa: E402
 from rl_kernels import kernel_registry  # noqa: E402
-from common import (ROOT, copies_to_rotate, cuda_median_ms, device_name, device_slug,  # noqa: E402
-                    header, record, write_results)
+from common import (ROOT, copies_to_rotate, cuda_median_ms, cuda_paired_median_ms,  # noqa: E402
+                    device_name, device_slug, header, record, write_results)
 
 QWEN3_8B = [(4096, 4096), (4096, 1024), (4096, 6144), (4096, 12288), (4096, 24576),
             (12288, 4096), (4096, 151936)]
@@ -62,26 +62,27 @@ def bench_shape(m, k, n, backends, ceilings, do_backward):
         g = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
         sets.append((a, w, g))
     reps = reps_for(flops)
-    base_fwd = cuda_median_ms(lambda a, w, g: torch.matmul(a, w.t()), sets, reps=reps)
     shape = {"M": m, "N": n, "K": k, "floor_ms": floor_ms,
              "flop_floor_ms": flops / peak * 1e3, "byte_floor_ms": bytes_moved / bandwidth * 1e3}
     rows = []
     a0, w0, _ = sets[0]
     ref = a0[:256].double() @ w0.double().t()
-    for backend in backends:
-        ms = cuda_median_ms(lambda a, w, g: rl_kernels.det_gemm(a, w.t(), backend=backend), sets,
-                            reps=reps)
+    # cuBLAS and every backend interleaved (cuda_paired_median_ms), so all see one thermal state
+    fwd = [lambda a, w, g: torch.matmul(a, w.t())] + [
+        (lambda a, w, g, b=b: rl_kernels.det_gemm(a, w.t(), backend=b)) for b in backends]
+    base_fwd, *fwd_ms = cuda_paired_median_ms(fwd, sets, reps=reps)
+    for backend, ms in zip(backends, fwd_ms):
         out = rl_kernels.det_gemm(a0[:256], w0.t(), out_dtype=torch.float32, backend=backend)
         err = (out.double() - ref).abs().max().item()
         rows.append(record("det_gemm", backend, torch.bfloat16, shape, "fwd", ms, "torch.matmul",
                            base_fwd, flops / (ms / 1e3) / 1e12, None, err))
     if do_backward:
-        base_bwd = cuda_median_ms(
-            lambda a, w, g: (torch.matmul(g, w), torch.matmul(a.t(), g)), sets, reps=reps)
-        for backend in backends:
-            ms = cuda_median_ms(
-                lambda a, w, g: (rl_kernels.det_gemm(g, w, backend=backend),
-                                 rl_kernels.matmul(a.t(), g, backend=backend)), sets, reps=reps)
+        bwd = [lambda a, w, g: (torch.matmul(g, w), torch.matmul(a.t(), g))] + [
+            (lambda a, w, g, b=b: (rl_kernels.det_gemm(g, w, backend=b),
+                                         rl_kernels.matmul(a.t(), g, backend=b)))
+            for b in backends]
+        base_bwd, *bwd_ms = cuda_paired_median_ms(bwd, sets, reps=reps)
+        for backend, ms in zip(backends, bwd_ms):
             rows.append(record("det_gemm", backend, torch.bfloat16, shape, "bwd", ms,
                                "torch.matmul x2", base_bwd, 2 * flops / (ms / 1e3) / 1e12))
     del sets

@@ -50,7 +50,7 @@ def record(op, backend, dtype, shape, pass_, ms, baseline, baseline_ms, tflops=N
 
 def copies_to_rotate(bytes_per_set: int) -> int:
     """Input sets needed so that rotating among them does not measure the L2 cache."""
-    return max(1, min(8, -(-3 * L2_BYTES // max(1, bytes_per_set))))
+    return max(1, min(24, -(-3 * L2_BYTES // max(1, bytes_per_set))))
 
 
 def cuda_median_ms(fn, sets, warmup=3, reps=20) -> float:
@@ -72,6 +72,34 @@ def cuda_median_ms(fn, sets, warmup=3, reps=20) -> float:
 
 
 SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us at 2 GHz: more than the host needs to enqueue a call
+
+
+def cuda_paired_median_ms(fns, sets, warmup=3, reps=20) -> list[float]:
+    """Median GPU ms of each fn in fns, measured interleaved: rep i runs every fn once, starting
+    with a different one each rep, and every call takes the next argument set in turn, so no call
+    finds its inputs in L2 from the call before (give enough sets, copies_to_rotate). An H100 under sustained tensor-core load sits
+    at its 700 W cap with the SM clock wandering between ~1.2 and 1.5 GHz as it heats
+    (docs/perf-notes.md), so timing a kernel and its baseline one after the other measures the
+    thermal history as much as the kernels; interleaved, both see the same conditions."""
+    calls = 0
+    for _ in range(warmup):
+        for fn in fns:
+            fn(*sets[calls % len(sets)])
+            calls += 1
+    torch.cuda.synchronize()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+               for _ in range(reps)] for _ in fns]
+    torch.cuda._sleep(SLEEP_CYCLES_PER_CALL * reps * len(fns))
+    for i in range(reps):
+        for j in range(len(fns)):
+            k = (i + j) % len(fns)
+            start, end = events[k][i]
+            start.record()
+            fns[k](*sets[calls % len(sets)])
+            end.record()
+            calls += 1
+    torch.cuda.synchronize()
+    return [statistics.median(s.elapsed_time(e) for s, e in per_fn) for per_fn in events]
 
 
 def cpu_median_s(fn, reps=5, warmup=1) -> float:
