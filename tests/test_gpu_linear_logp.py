@@ -171,8 +171,9 @@ def test_grad_hidden_rows_invariant():
         assert torch.equal(grad_hidden(rows), full[rows])
 
 
-def test_memory_stays_small_at_qwen3_head():
-    h, w, _, t = problem(4096, 4096, 151936, seed=50)
+@pytest.mark.parametrize("n", [4096, 16384])
+def test_memory_stays_small_at_qwen3_head(n):
+    h, w, _, t = problem(n, 4096, 151936, seed=50)
     h.requires_grad_()
     w.requires_grad_()
     logp = rl_kernels.linear_logp(h, w, t)

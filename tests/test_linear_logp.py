@@ -108,8 +108,10 @@ def test_backward_row_chunks_and_invariance(monkeypatch):
     h, w, b, t = _problem(50, 32, 4200, torch.float32, seed=11)
     g_logp, g_ent = randn(50, seed=12), randn(50, seed=13)
     one_chunk = _grads(h, w, b, t, g_logp, g_ent, 1.0, rl_kernels.linear_logp)
-    # force row chunks of 8 rows: dW and db are then accumulated over 7 row chunks
-    monkeypatch.setattr(linear_logp_module, "WORKSPACE_BYTES", 8 * linear_logp_module.VOCAB_CHUNK * 8)
+    # force row blocks of 8 rows (fp32 dH row + fp32 logits + fp32 dz per row): dW and db are then
+    # accumulated over 7 row blocks
+    per_row = 4 * 32 + linear_logp_module.VOCAB_CHUNK * 8
+    monkeypatch.setattr(linear_logp_module, "BACKWARD_BYTES", 8 * per_row)
     chunked = _grads(h, w, b, t, g_logp, g_ent, 1.0, rl_kernels.linear_logp)
     assert torch.equal(chunked[0], one_chunk[0])  # dH rows do not depend on row chunking
     want = _grads(h.double(), w.double(), b.double(), t, g_logp, g_ent, 1.0, REF64)

@@ -9,17 +9,19 @@ Layers: public function -> torch.library ops ``rl_kernels::linear_logp`` and
 Forward: one fused kernel per backend (C reference on CPU, tensor cores on CUDA) with an online
 softmax over a vocabulary order fixed by V; extra memory O(N).
 
-Backward (docs/operators/linear_logp.md has the math): the vocabulary is walked in chunks of
-VOCAB_CHUNK columns (a constant, so a row's dH sums the same chunks in the same order for every N)
-and the rows in chunks that fit WORKSPACE_BYTES. Per (vocab chunk, row chunk):
+Backward (docs/operators/linear_logp.md has the math): the rows are walked in blocks that fit
+BACKWARD_BYTES and, inside a block, the vocabulary in chunks of VOCAB_CHUNK columns (a constant, so
+a row's dH sums the same chunks in the same order for every N). Per (row block, vocab chunk):
     dz  = d loss / d z of z = H_rows @ W_chunk^T + b_chunk   (input dtype)
-    dH_rows  += dz @ W_chunk                            (GEMM, fp32 accumulator)
-    dW_chunk += dz^T @ H_rows,  db_chunk += 1^T dz      (GEMM; fixed order over row chunks)
+    dH_rows  += dz @ W_chunk                            (GEMM, fp32 accumulator of the block)
+    dW_chunk += dz^T @ H_rows,  db_chunk += 1^T dz      (GEMM; dW in its own dtype, db in fp32)
 dz comes from one fused kernel on SM90 (z stays in registers, _C.linear_logp_dlogits with
 logits=None), elsewhere from a GEMM into fp32 logits followed by the elementwise
 _C.linear_logp_dlogits. Every product runs on rl_kernels' own batch-invariant GEMMs, so dH rows are
-batch-invariant and dW, db are deterministic (no atomics). Extra memory: WORKSPACE_BYTES + the fp32
-dH accumulator + one fp32 [VOCAB_CHUNK, D] dW accumulator when the rows need more than one chunk.
+batch-invariant and dW, db are deterministic (fixed order, no atomics). Extra memory: at most
+BACKWARD_BYTES (the block's fp32 dH and dz; fp32 logits too off SM90) plus O(V) for db.
+dW is exact up to one rounding to its dtype per row block: one block up to N = 8192 at D = 4096
+(two at the benchmark's N = 16384).
 
 Out-of-range targets: the CPU path raises ValueError at once. The CUDA path must not synchronize,
 so its kernel writes NaN into that row and sets a flag in pinned host memory; the flag is read (no
@@ -37,7 +39,7 @@ from ._common import LIBRARY, _C, backend_and_stream, eager_direct
 from .gemm import _DTYPE_CODES, _gemm_out_impl
 
 VOCAB_CHUNK = 4096
-WORKSPACE_BYTES = 128 << 20
+BACKWARD_BYTES = 240 << 20  # the issue's budget is 256 MB of extra memory in all
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 LIBRARY.define(
@@ -93,10 +95,6 @@ def _fused_dlogits(hidden, weight, gemm_backend) -> bool:
     return gemm_backend == "sm90" and hidden.dtype != torch.float32 and rows_aligned
 
 
-def _row_chunk(n: int, bytes_per_logit: int) -> int:
-    return max(1, min(n, WORKSPACE_BYTES // (VOCAB_CHUNK * bytes_per_logit)))
-
-
 def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy,
                    temperature, ignore_index, backend):
     _raise_if_bad_target_seen()
@@ -105,58 +103,54 @@ def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_e
     device, dtype = hidden.device, hidden.dtype
     _, _, stream = backend_and_stream("linear_logp", device, None if backend == "auto" else backend)
     gemm_backend = resolve_backend("gemm", device, None if backend == "auto" else backend)
-    grad_hidden = torch.zeros(n, d, dtype=torch.float32, device=device)
-    grad_weight = torch.empty(v, d, dtype=dtype, device=device)
-    grad_bias = torch.empty(v if bias is not None else 0, dtype=dtype, device=device)
     fused = _fused_dlogits(hidden, weight, gemm_backend)
-    # workspace per logit: dz, plus the fp32 logits when they are materialized
-    rows_per_chunk = _row_chunk(n, hidden.element_size() + (0 if fused else 4))
-    # dW and db of a vocabulary chunk are written directly when one row chunk holds every row;
-    # otherwise they are summed over the row chunks, in order, in fp32 and rounded once.
-    accumulate = rows_per_chunk < n
-    beta = 1.0 if accumulate else 0.0
+    # per row of a block: the fp32 dH accumulator, dz, and the fp32 logits when materialized
+    bytes_per_row = 4 * d + VOCAB_CHUNK * (hidden.element_size() + (0 if fused else 4))
+    block = max(1, min(n, BACKWARD_BYTES // bytes_per_row))
+    grad_hidden = torch.empty(n, d, dtype=dtype, device=device)
+    grad_weight = torch.empty(v, d, dtype=dtype, device=device)
+    grad_bias = None if bias is None else torch.zeros(1, v, dtype=torch.float32, device=device)
+    dh_buf = torch.empty(block, d, dtype=torch.float32, device=device)
+    dz_buf = torch.empty(block * VOCAB_CHUNK, dtype=dtype, device=device)
     logits_buf = None
-    dz_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=dtype, device=device)
-    ones = torch.ones(1, rows_per_chunk, dtype=dtype, device=device)
+    ones = torch.ones(1, block, dtype=dtype, device=device)
     inv_t = 1.0 / temperature
-    for v0 in range(0, v, VOCAB_CHUNK):
-        v1 = min(v, v0 + VOCAB_CHUNK)
-        cols = v1 - v0
-        w_chunk = weight[v0:v1]
-        dw = torch.zeros(cols, d, dtype=torch.float32, device=device) if accumulate \
-            else grad_weight[v0:v1]
-        db = None
-        if bias is not None:
-            db = torch.zeros(1, cols, dtype=torch.float32, device=device) if accumulate \
-                else grad_bias[v0:v1].view(1, cols)
-        for r0 in range(0, n, rows_per_chunk):
-            r1 = min(n, r0 + rows_per_chunk)
-            rows = r1 - r0
-            h_rows = hidden[r0:r1]
+    for r0 in range(0, n, block):
+        r1 = min(n, r0 + block)
+        rows = r1 - r0
+        h_rows = hidden[r0:r1]
+        dh = dh_buf[:rows]
+        row_args = (target[r0:r1], lse[r0:r1], entropy[r0:r1],
+                    None if grad_logp is None else grad_logp[r0:r1],
+                    None if grad_entropy is None else grad_entropy[r0:r1])
+        for v0 in range(0, v, VOCAB_CHUNK):
+            v1 = min(v, v0 + VOCAB_CHUNK)
+            cols = v1 - v0
+            w_chunk = weight[v0:v1]
             dz = dz_buf[: rows * cols].view(rows, cols)
-            row_args = (target[r0:r1], lse[r0:r1], entropy[r0:r1],
-                        None if grad_logp is None else grad_logp[r0:r1],
-                        None if grad_entropy is None else grad_entropy[r0:r1])
             if not (fused and _C.linear_logp_dlogits(
                     None, *row_args, dz, v0, inv_t, ignore_index, stream, h_rows, w_chunk,
                     None if bias is None else bias[v0:v1])):
                 if logits_buf is None:
-                    logits_buf = torch.empty(rows_per_chunk * VOCAB_CHUNK, dtype=torch.float32,
+                    logits_buf = torch.empty(block * VOCAB_CHUNK, dtype=torch.float32,
                                              device=device)
                 logits = logits_buf[: rows * cols].view(rows, cols)
                 _gemm_out_impl(h_rows, w_chunk.t(), None if bias is None else bias[v0:v1].float(),
                                1.0, 1.0, gemm_backend, logits)
                 _C.linear_logp_dlogits(logits, *row_args, dz, v0, inv_t, ignore_index, stream)
-            dh = grad_hidden[r0:r1]
-            _gemm_out_impl(dz, w_chunk, dh, 1.0, 1.0, gemm_backend, dh)
-            _gemm_out_impl(dz.t(), h_rows, dw, 1.0, beta, gemm_backend, dw)
-            if db is not None:
-                _gemm_out_impl(ones[:, :rows], dz, db, 1.0, beta, gemm_backend, db)
-        if accumulate:
-            grad_weight[v0:v1].copy_(dw)
-            if db is not None:
-                grad_bias[v0:v1].copy_(db.view(-1))
-    return grad_hidden.to(dtype), grad_weight, grad_bias
+            first_chunk, first_block = v0 == 0, r0 == 0
+            _gemm_out_impl(dz, w_chunk, None if first_chunk else dh, 1.0,
+                           0.0 if first_chunk else 1.0, gemm_backend, dh)
+            dw = grad_weight[v0:v1]
+            _gemm_out_impl(dz.t(), h_rows, None if first_block else dw, 1.0,
+                           0.0 if first_block else 1.0, gemm_backend, dw)
+            if grad_bias is not None:
+                db = grad_bias[:, v0:v1]
+                _gemm_out_impl(ones[:, :rows], dz, db, 1.0, 1.0, gemm_backend, db)
+        grad_hidden[r0:r1].copy_(dh)
+    grad_bias = torch.empty(0, dtype=dtype, device=device) if grad_bias is None \
+        else grad_bias.view(-1).to(dtype)
+    return grad_hidden, grad_weight, grad_bias
 
 
 for _key in ("CPU", "CUDA"):
