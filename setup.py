@@ -78,7 +78,9 @@ class BuildExt(build_ext):
             ext.include_dirs.append(str(cuda_home / "include"))
             ext.define_macros.append(("RLK_WITH_CUDA", "1"))
             ext.define_macros += [(f"RLK_HAVE_{s.stem.upper()}", "1") for s in cu_sources]
-            ext.extra_objects += self.compile_cuda(nvcc, cu_sources, include)
+            cuda_objects = self.compile_cuda(nvcc, cu_sources, include)
+            ext.extra_objects += cuda_objects
+            ext.depends += cuda_objects  # relink when only a CUDA object changed
             ext.library_dirs.append(str(cuda_home / "lib64"))
             ext.libraries += ["cudart_static", "rt", "pthread", "dl", "stdc++"]
         super().build_extension(ext)
