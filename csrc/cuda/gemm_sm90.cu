@@ -19,9 +19,10 @@
  *   tall config: BM = 128 (2 consumers), BN = 64, 8 stages, clusters of 2 with K-major B (else none):
  *     twice the tiles of the medium config for shapes whose medium tiles leave SMs idle (M = N = 1024).
  *   small config: BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster.
- *   narrow configs: BM = 64, BN = 32 / 16 (16 / 20 stages), K-major B only.
- *   M <= 64 (decode) takes the narrowest 64-row config whose tiles still fit in one wave; larger M
- *   whichever of the first three a waves x cycles-per-tile estimate finds fastest.
+ *   narrow configs: BM = 64, BN = 96 / 48 / 32 / 16 (10 / 14 / 16 / 20 stages), K-major B only.
+ *   M <= 64 (decode) takes the narrowest 64-row config whose tiles still fit in one wave (the one whose
+ *   tiles come closest to filling it); larger M whichever of the first four a waves x cycles-per-tile
+ *   estimate finds fastest.
  *
  * linear_logp (LOGP kernels): the product hidden [N, D] @ weight[V, D]^T on the medium config, each
  * k-slice group of LOGP_CHAIN = 4 (256 of D) a fresh wgmma chain added into the logits with an fp32 FADD
@@ -301,6 +302,29 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
 #undef WGMMA_ASM
 }
 
+// d[64 x 96] (+)= A[64 x 16] * B[16 x 96], both operands from shared memory (descriptors);
+// accumulate = 0 overwrites d (wgmma scale-d).
+template <bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n96k16(float (&d)[48], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+#define WGMMA_ASM(TYPE) asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n96k16.f32." TYPE "." TYPE " {" \
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47" \
+                     "}, %48, %49, p, 1, 1, %51, %52;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) \
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B))
+    if constexpr (BF16) WGMMA_ASM("bf16");
+    else WGMMA_ASM("f16");
+#undef WGMMA_ASM
+}
+
 // d[64 x 64] (+)= A[64 x 16] * B[16 x 64], both operands from shared memory (descriptors);
 // accumulate = 0 overwrites d (wgmma scale-d).
 template <bool BF16, int TRANS_A, int TRANS_B>
@@ -321,6 +345,25 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a,
 #undef WGMMA_ASM
 }
 
+
+// d[64 x 48] (+)= A[64 x 16] * B[16 x 48], both operands from shared memory (descriptors);
+// accumulate = 0 overwrites d (wgmma scale-d).
+template <bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n48k16(float (&d)[24], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+#define WGMMA_ASM(TYPE) asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32." TYPE "." TYPE " {" \
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                     "%16, %17, %18, %19, %20, %21, %22, %23" \
+                     "}, %24, %25, p, 1, 1, %27, %28;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]) \
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B))
+    if constexpr (BF16) WGMMA_ASM("bf16");
+    else WGMMA_ASM("f16");
+#undef WGMMA_ASM
+}
 
 // d[64 x 32] (+)= A[64 x 16] * B[16 x 32], both operands from shared memory (descriptors);
 // accumulate = 0 overwrites d (wgmma scale-d).
@@ -360,7 +403,9 @@ template <int BN, bool BF16, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
     if constexpr (BN == 256) wgmma_m64n256k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else if constexpr (BN == 128) wgmma_m64n128k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else if constexpr (BN == 96) wgmma_m64n96k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else if constexpr (BN == 64) wgmma_m64n64k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else if constexpr (BN == 48) wgmma_m64n48k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else if constexpr (BN == 32) wgmma_m64n32k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else wgmma_m64n16k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
 }
@@ -986,7 +1031,8 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
 
 /* The tile configs. All of them compute every output element with the same k16 wgmma sequence, so the
  * choice among them is a performance choice only (bitwise-equal rows are tested across them). */
-enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_TALL, CONFIG_NARROW32, CONFIG_NARROW16 };
+enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_TALL, CONFIG_NARROW96, CONFIG_NARROW48, CONFIG_NARROW32,
+       CONFIG_NARROW16 };
 static const int config_bm[CONFIG_TALL + 1] = {128, 128, 64, 128};
 static const int config_bn[CONFIG_TALL + 1] = {256, 128, 64, 64};
 /* Estimated SM cycles per k16 step of one tile (measured order of magnitude on H100): two m64n256 wgmmas
@@ -997,13 +1043,17 @@ static const int config_bn[CONFIG_TALL + 1] = {256, 128, 64, 64};
 static const int config_cycles[CONFIG_TALL + 1] = {320, 170, 100, 120};
 
 /* Up to 64 rows (decode): 64-row tiles (128-row tiles would mostly multiply zero-filled rows). Each tile is
- * one latency-bound chain of K/16 wgmmas, so the narrowest tiles that still fit in one wave spread N over
- * the most SMs (K-major B only: an MN-major B box is 64 columns wide). Otherwise the fewest estimated
- * cycles among the first four: waves of tiles x cycles per tile. */
+ * one latency-bound chain of K/16 wgmmas, and the weights stream through the SMs that own tiles, so the
+ * width whose tiles come closest to filling one wave wins: 16, 32, 48, 64 or 96 columns (all but 64
+ * need K-major B: an MN-major B box is 64 columns wide); with more columns than 96 x SMs, 64 (several
+ * waves). Otherwise the fewest estimated cycles among the first four: waves of tiles x cycles per tile. */
 static int choose_config(int64_t M, int64_t N, bool b_mn, int num_sms) {
     if (M <= 64) {
-        if (!b_mn && (N + 15) / 16 <= num_sms) return CONFIG_NARROW16;
-        if (!b_mn && (N + 31) / 32 <= num_sms) return CONFIG_NARROW32;
+        static const int widths[] = {16, 32, 48, 64, 96};
+        static const int configs[] = {CONFIG_NARROW16, CONFIG_NARROW32, CONFIG_NARROW48, CONFIG_SMALL,
+                                      CONFIG_NARROW96};
+        for (int i = 0; i < 5; ++i)
+            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) return configs[i];
         return CONFIG_SMALL;
     }
     int best = CONFIG_LARGE;
@@ -1030,6 +1080,10 @@ static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_
         return launch_gemm_sm90<64, 2, 8, B_MN ? 1 : 2, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms,
                                                                                         stream);
     if constexpr (!B_MN) {
+        if (config == CONFIG_NARROW96)
+            return launch_gemm_sm90<96, 1, 10, 1, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms, stream);
+        if (config == CONFIG_NARROW48)
+            return launch_gemm_sm90<48, 1, 14, 1, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms, stream);
         if (config == CONFIG_NARROW32)
             return launch_gemm_sm90<32, 1, 16, 1, A_MN, B_MN, BF16, OutT, MODE_GEMM>(args, p, {}, device, num_sms, stream);
         if (config == CONFIG_NARROW16)
