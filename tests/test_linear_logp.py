@@ -104,6 +104,16 @@ def test_gradients_random_cotangents_vs_fp64(dtype, tol, temperature):
     assert torch.all(got[0][4] == 0)  # an ignored row gets no gradient
 
 
+def test_empty_batch_gives_zero_gradients():
+    h, w, b, t = _problem(3, 16, 40, torch.float32, seed=14)
+    x, ww, bb = (y.clone().requires_grad_() for y in (h[:0], w, b))
+    logp, ent = rl_kernels.linear_logp(x, ww, t[:0], bb, return_entropy=True)
+    assert logp.shape == (0,) and ent.shape == (0,)
+    (logp.sum() + ent.sum()).backward()
+    assert torch.equal(ww.grad, torch.zeros_like(w)) and torch.equal(bb.grad, torch.zeros_like(b))
+    assert x.grad.shape == (0, 16)
+
+
 def test_backward_row_chunks_and_invariance(monkeypatch):
     h, w, b, t = _problem(50, 32, 4200, torch.float32, seed=11)
     g_logp, g_ent = randn(50, seed=12), randn(50, seed=13)

@@ -20,8 +20,8 @@ logits=None), elsewhere from a GEMM into fp32 logits followed by the elementwise
 _C.linear_logp_dlogits. Every product runs on rl_kernels' own batch-invariant GEMMs, so dH rows are
 batch-invariant and dW, db are deterministic (fixed order, no atomics). Extra memory: at most
 BACKWARD_BYTES (the block's fp32 dH and dz; fp32 logits too off SM90) plus O(V) for db.
-dW is exact up to one rounding to its dtype per row block: one block up to N = 8192 at D = 4096
-(two at the benchmark's N = 16384).
+dW is exact up to one rounding to its dtype per row block: one block up to N = 10240 at D = 4096 on
+SM90 (two at the benchmark's N = 16384).
 
 Out-of-range targets: the CPU path raises ValueError at once. The CUDA path must not synchronize,
 so its kernel writes NaN into that row and sets a flag in pinned host memory; the flag is read (no
@@ -108,7 +108,8 @@ def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_e
     bytes_per_row = 4 * d + VOCAB_CHUNK * (hidden.element_size() + (0 if fused else 4))
     block = max(1, min(n, BACKWARD_BYTES // bytes_per_row))
     grad_hidden = torch.empty(n, d, dtype=dtype, device=device)
-    grad_weight = torch.empty(v, d, dtype=dtype, device=device)
+    # written by the first row block's dW GEMMs; with no rows there is none, and the gradient is 0
+    grad_weight = (torch.empty if n > 0 else torch.zeros)(v, d, dtype=dtype, device=device)
     grad_bias = None if bias is None else torch.zeros(1, v, dtype=torch.float32, device=device)
     dh_buf = torch.empty(block, d, dtype=torch.float32, device=device)
     dz_buf = torch.empty(block * VOCAB_CHUNK, dtype=dtype, device=device)
