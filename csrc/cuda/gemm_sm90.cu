@@ -1111,6 +1111,13 @@ static bool pairs_aligned(const void *ptr, int64_t ld, int elem_bytes) {
     return ((uintptr_t)ptr % (2 * elem_bytes) == 0) && (ld % 2 == 0);
 }
 
+/* The current device and its SM count (the persistent grids are sized by it). */
+static cudaError_t current_device(int *device, int *num_sms) {
+    cudaError_t err = cudaGetDevice(device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, *device);
+    return err;
+}
+
 extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, void *stream) {
     const bool in_ok = args->in_dtype == RLK_BF16 || args->in_dtype == RLK_F16;
     const bool out_ok = args->out_dtype == args->in_dtype || args->out_dtype == RLK_F32;
@@ -1120,8 +1127,7 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, void *stream) {
         return RLK_UNSUPPORTED;
 
     int device, num_sms;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
     const int out_bytes = args->out_dtype == RLK_F32 ? 4 : 2;
@@ -1149,7 +1155,32 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, void *stream) {
 }
 
 
-/* ------------------------------------ linear_logp forward ----------------------------------- */
+/* ------------------------------------ linear_logp ------------------------------------------- */
+
+/* The product hidden [rows, D] @ weight[cols, D]^T as GEMM arguments (A = hidden, K-major; B = weight^T,
+ * b_trans = 1) and kernel parameters; the caller adds what its mode needs. */
+static void product_args(const void *hidden, int64_t ldh, const void *weight, int64_t ldw, int64_t rows,
+                         int64_t cols, int64_t D, rlk_dtype in_dtype, rlk_dtype out_dtype, rlk_gemm_args *g,
+                         gemm_sm90_params *p) {
+    memset(g, 0, sizeof(*g));
+    g->M = rows;
+    g->N = cols;
+    g->K = D;
+    g->in_dtype = in_dtype;
+    g->out_dtype = out_dtype;
+    g->a = hidden;
+    g->lda = ldh;
+    g->b = weight;
+    g->ldb = ldw;
+    g->b_trans = 1;
+    memset(p, 0, sizeof(*p));
+    p->M = (int)rows;
+    p->N = (int)cols;
+    p->k_tiles = (int)((D + BK - 1) / BK);
+}
+
+/* forward */
+
 
 /* The medium tile config (BM = BN = 128, 2-CTA clusters): fresh per-k-slice chains need a second set of
  * accumulator registers, which the 128 x 256 config cannot afford. 8 tiles per vocabulary split. */
@@ -1162,29 +1193,15 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *
     if (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)) return RLK_UNSUPPORTED;
 
     int device, num_sms;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
-    /* the product hidden @ weight^T as a GEMM: A = hidden (K-major), B = weight^T (b_trans = 1) */
     rlk_gemm_args g;
-    memset(&g, 0, sizeof(g));
-    g.M = args->N;
-    g.N = args->V;
-    g.K = args->D;
-    g.in_dtype = args->dtype;
-    g.out_dtype = RLK_F32;
-    g.a = args->hidden;
-    g.lda = args->ldh;
-    g.b = args->weight;
-    g.ldb = args->ldw;
-    g.b_trans = 1;
     gemm_sm90_params p;
-    memset(&p, 0, sizeof(p));
-    p.M = (int)args->N;
-    p.N = (int)args->V;
-    p.k_tiles = (int)((args->D + BK - 1) / BK);
+    product_args(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, args->dtype, RLK_F32,
+                 &g, &p);
     logp_sm90_params lp;
+    memset(&lp, 0, sizeof(lp));
     lp.bias = args->bias;
     lp.target = args->target;
     lp.partials = (float4 *)workspace;
@@ -1197,7 +1214,7 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *
     return launch_linear_logp_merge(args, lp.partials, s);
 }
 
-/* ------------------------------------ linear_logp backward ---------------------------------- */
+/* backward */
 
 /* The large tile config's main loop (the GEMM's z, bitwise) with the dlogits epilogue: z of the chunk never
  * leaves registers; dz goes out through the same store paths as a GEMM tile. */
@@ -1211,30 +1228,16 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
     if (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)) return RLK_UNSUPPORTED;
 
     int device, num_sms;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
-    /* z = hidden @ weight_chunk^T + 1 * bias: A = hidden (K-major), B = weight^T (b_trans = 1), C = the bias
-     * row broadcast over the rows (ldc = 0) */
+    /* z = hidden @ weight_chunk^T + 1 * bias, C = the bias row broadcast over the rows (ldc = 0) */
     rlk_gemm_args g;
-    memset(&g, 0, sizeof(g));
-    g.M = args->rows;
-    g.N = args->cols;
-    g.K = args->D;
-    g.in_dtype = g.out_dtype = args->out_dtype;
-    g.a = args->hidden;
-    g.lda = args->ldh;
-    g.b = args->weight;
-    g.ldb = args->ldw;
-    g.b_trans = 1;
+    gemm_sm90_params p;
+    product_args(args->hidden, args->ldh, args->weight, args->ldw, args->rows, args->cols, args->D, args->out_dtype,
+                 args->out_dtype, &g, &p);
     g.out = args->dlogits;
     g.ldo = args->ld_dlogits;
-    gemm_sm90_params p;
-    memset(&p, 0, sizeof(p));
-    p.M = (int)args->rows;
-    p.N = (int)args->cols;
-    p.k_tiles = (int)((args->D + BK - 1) / BK);
     p.c = args->bias;
     p.ldc = 0;
     p.out = args->dlogits;
