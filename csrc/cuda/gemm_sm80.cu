@@ -2,10 +2,11 @@
  *
  *   out[i, j] = alpha * sum_k A[i, k] * B[k, j] + beta * C[i, j]   (see rl_kernels.h for addressing)
  *
- * Tile plan (one plan for every problem): CTA tile BM x BN x BK = 128 x 256 x 64, 8 warps as
- * 2 (M) x 4 (N), warp tile 64 x 64 = 4 x 8 mma.sync.m16n8k16 (bf16/fp16 in, fp32 accumulate),
- * one CTA per SM. Operands go global -> shared with 16-byte cp.async in a 3-stage pipeline
- * (162 KB, fits the 164 KB of an A100 as well); each operand is kept in shared memory in its
+ * Tile plan: CTA tile BM x BN x BK = 128 x 256 x 64, 8 warps as 2 (M) x 4 (N), warp tile
+ * 64 x 64 = 4 x 8 mma.sync.m16n8k16 (bf16/fp16 in, fp32 accumulate), one CTA per SM; when those
+ * tiles would leave half the SMs idle (small M or N), 128 x 128 with 4 x 2 warps of 32 x 64.
+ * Operands go global -> shared with 16-byte cp.async in a 3-stage pipeline (162 KB for the large
+ * tile, fits the 164 KB of an A100 as well); each operand is kept in shared memory in its
  * global orientation (the contiguous global dimension is contiguous in shared memory), rows
  * padded by 16 bytes so ldmatrix (.trans for the M- or N-contiguous layouts) is free of bank
  * conflicts. Fragments of the next k16 step are loaded while the current step's mma issue.
@@ -17,7 +18,8 @@
  * The grid is 1-D over output tiles, rastered in groups of 8 M-tiles so that neighbouring CTAs
  * share B and A tiles in L2 (no 65535 grid.y limit; N = 151936 is 594 N-tiles).
  *
- * Batch invariance: the tile plan never depends on M; there is no split-K. Every output element
+ * Batch invariance: no split-K; the tile size (chosen by M and N) only moves an element between
+ * tiles, CTAs and warps, never changes its arithmetic. Every output element
  * is accumulated over k-tiles 0, 1, ..., ceil(K / BK) - 1 and, inside a k-tile, over its k16
  * mma steps in order, with zero fill past K (which depends on K only). The mma sequence is the same
  * for every row, every position inside the tile and every CTA, so a row's bits do not depend on M,
@@ -184,9 +186,9 @@ __host__ __device__ constexpr int b_stage_elems(void) {
 
 template <typename T, typename OutT, int A_TRANS, int B_TRANS, int VEC_LOADS, int BM, int BN, int BK,
           int WARPS_M, int WARPS_N, int STAGES>
-/* Tiles smaller than 128 x 256 run 2 CTAs per SM on the 16-byte path; the element-wise path gets
- * the whole register file (it is the slow path either way). */
-__global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, (BM * BN >= 128 * 256 || !VEC_LOADS) ? 1 : 2)
+/* One CTA per SM is assumed for register allocation (a 64 x 64 warp tile needs ~240 registers; the
+ * 32 x 64 one of the 128 x 128 plan ~140, which a two-CTA bound of 128 would spill). */
+__global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, 1)
     gemm_sm80_kernel(int64_t M, int64_t N, int64_t K, const T *__restrict__ a, int64_t lda,
                      const T *__restrict__ b, int64_t ldb, const OutT *__restrict__ c, int64_t ldc,
                      OutT *__restrict__ out, int64_t ldo, float alpha, float beta) {
@@ -430,6 +432,15 @@ static int launch_gemm_sm80(const rlk_gemm_args *p, cudaStream_t stream) {
     return RLK_UNSUPPORTED;
 }
 
+/* 128 x 256 tiles; 128 x 128 (8 warps of 32 x 64) when even twice as many tiles fit in one wave, so twice
+ * as many SMs work (a full wave of large tiles beats two of small ones). Both run the same mma sequence for every output element, so the choice (by M and N)
+ * cannot change a row's bits; the GPU tests compare every M of the sweep bitwise. */
 extern "C" int rlk_gemm_sm80(const rlk_gemm_args *args, void *stream) {
+    int device, num_sms;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return (int)err;
+    const int64_t large_tiles = ((args->M + 127) / 128) * ((args->N + 255) / 256);
+    if (2 * large_tiles <= num_sms) return launch_gemm_sm80<128, 128, 64, 4, 2, 3>(args, (cudaStream_t)stream);
     return launch_gemm_sm80<128, 256, 64, 2, 4, 3>(args, (cudaStream_t)stream);
 }
