@@ -530,38 +530,6 @@ static PyObject *py_linear_logp_fwd(PyObject *self, PyObject *args) {
 /* into fp32 logits and the plain form.                                                           */
 /* ------------------------------------------------------------------------------------------- */
 
-/* The fused form's operands: hidden [rows, D], weight [cols, D], bias [cols] or None, one dtype. */
-static int prepare_dlogits_product(tensor_arg *hidden, tensor_arg *weight, tensor_arg *bias,
-                                   rlk_linear_logp_dlogits_args *d) {
-    if (!hidden->present || !weight->present) {
-        PyErr_SetString(PyExc_ValueError, "hidden, weight: required when logits is None");
-        return -1;
-    }
-    if (tensor_arg_check_ndim(hidden, 2, 2) || tensor_arg_check_ndim(weight, 2, 2) ||
-        tensor_arg_check_float(hidden) || tensor_arg_check_dtype(weight, hidden->dtype) ||
-        tensor_arg_check_same_device(weight, hidden))
-        return -1;
-    d->rows = hidden->shape[0];
-    d->cols = weight->shape[0];
-    d->D = hidden->shape[1];
-    if (weight->shape[1] != d->D) {
-        PyErr_Format(PyExc_ValueError, "weight: has %lld columns but hidden has %lld (D)",
-                     (long long)weight->shape[1], (long long)d->D);
-        return -1;
-    }
-    if (check_rows_contiguous(hidden, d->rows, d->D) || check_rows_contiguous(weight, d->cols, d->D))
-        return -1;
-    if (bias->present && (tensor_arg_check_same_device(bias, hidden) ||
-                          tensor_arg_check_dtype(bias, hidden->dtype) || check_vector(bias, d->cols)))
-        return -1;
-    d->hidden = hidden->data;
-    d->ldh = row_stride(hidden);
-    d->weight = weight->data;
-    d->ldw = row_stride(weight);
-    d->bias = bias->present ? bias->data : NULL;
-    return 0;
-}
-
 static PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
     (void)self;
     enum { N_TENSORS = 10 };
@@ -586,8 +554,24 @@ static PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
     const tensor_arg *ref = fused ? hidden : logits;  /* the tensor that sets rows, cols, device */
     rlk_linear_logp_dlogits_args d = {0};
     if (ok && fused) {
-        ok = prepare_dlogits_product(hidden, &t[8], &t[9], &d) == 0 &&
+        /* the chunk's product is the forward's with the chunk's weight rows as the vocabulary */
+        rlk_linear_logp_args product = {0};
+        if (!hidden->present || !t[8].present) {
+            PyErr_SetString(PyExc_ValueError, "hidden, weight: required when logits is None");
+            ok = 0;
+        }
+        ok = ok && prepare_linear_logp(hidden, &t[8], &t[9], target, &product) == 0 &&
              tensor_arg_check_dtype(dlogits, hidden->dtype) == 0;
+        if (ok) {
+            d.rows = product.N;
+            d.cols = product.V;
+            d.D = product.D;
+            d.hidden = product.hidden;
+            d.ldh = product.ldh;
+            d.weight = product.weight;
+            d.ldw = product.ldw;
+            d.bias = product.bias;
+        }
     } else if (ok) {
         ok = tensor_arg_check_ndim(logits, 2, 2) == 0 &&
              tensor_arg_check_dtype(logits, RLK_F32) == 0 &&
