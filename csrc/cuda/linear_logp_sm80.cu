@@ -189,6 +189,16 @@ __device__ __forceinline__ void load_next_slice(uint32_t smem_base, const uint16
     load_stage = load_stage + 1 == LOGP_STAGES ? 0 : load_stage + 1;
 }
 
+/* The accumulators of a thread's 4 x 8 mma tiles back to 0 (at the start and after each folded tile). */
+__device__ __forceinline__ void zero_tile(float (&acc)[4][8][4]) {
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+}
+
 template <bool IS_BF16, bool ALIGNED>
 __global__ void __launch_bounds__(LOGP_THREADS, 1)
 linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, const uint16_t *__restrict__ weight,
@@ -238,12 +248,7 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
     const int a_lane_chunk = lane >> 4, b_lane_chunk = (lane >> 3) & 1, swizzle = lane & 7;
 
     float acc[4][8][4];
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+    zero_tile(acc);
 
     int tile = tile_begin, read_k0 = 0, read_stage = 0;
     for (int it = 0; it < total_iters; ++it) {
@@ -341,12 +346,7 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
                     for (int e = 0; e < 2; ++e)
                         if (target_offset == ni * 8 + e) target_logit[row_local] = x[ni][e];
             }
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < 8; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+        zero_tile(acc);
         read_k0 = 0;
         ++tile;
     }
