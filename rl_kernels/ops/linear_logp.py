@@ -114,7 +114,7 @@ def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_e
     dh_buf = torch.empty(block, d, dtype=torch.float32, device=device)
     dz_buf = torch.empty(block * VOCAB_CHUNK, dtype=dtype, device=device)
     logits_buf = None
-    ones = torch.ones(1, block, dtype=dtype, device=device)
+    ones = None if bias is None else torch.ones(1, block, dtype=dtype, device=device)  # for db
     inv_t = 1.0 / temperature
     for r0 in range(0, n, block):
         r1 = min(n, r0 + block)
