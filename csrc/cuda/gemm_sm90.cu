@@ -24,11 +24,11 @@
  *   tiles come closest to filling it); larger M whichever of the first four a waves x cycles-per-tile
  *   estimate finds fastest.
  *
- * linear_logp (LOGP kernels): the product hidden [N, D] @ weight[V, D]^T on the medium config, each
- * k-slice group of LOGP_CHAIN = 4 (256 of D) a fresh wgmma chain added into the logits with an fp32 FADD
+ * linear_logp (LOGP kernels): the product hidden [N, D] @ weight[V, D]^T on 128 x 192 tiles (the
+ * large config's producer, 2-CTA clusters and B multicast, 5 stages), each k-slice group of LOGP_CHAIN = 4 (256 of D) a fresh wgmma chain added into the logits with an fp32 FADD
  * (mma_tile: the tensor cores' accumulator adds truncate, 3.2e-4 logp error over D = 4096 with one long
- * chain, 2e-5 with these). A work item is (128-row tile, vocabulary split of LOGP_SPLIT_COLS = 1024
- * columns = 8 tiles walked in increasing order); instead of storing a tile, each consumer folds it into
+ * chain, 2e-5 with these). A work item is (128-row tile, vocabulary split of LOGP_SPLIT_COLS = 768
+ * columns = 4 tiles walked in increasing order); instead of storing a tile, each consumer folds it into
  * per-row online-softmax states (max, sum 2^(x - max), sum 2^(x - max) (x - max), target logit, log2
  * units) held in registers, written as one float4 per (split, row) to the workspace at the end of the
  * split. linear_logp_merge_kernel (linear_logp_common.cuh) folds a row's splits in increasing order.
@@ -276,6 +276,38 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 #undef WGMMA_ASM
 }
 
+// d[64 x 192] (+)= A[64 x 16] * B[16 x 192], both operands from shared memory (descriptors);
+// accumulate = 0 overwrites d (wgmma scale-d).
+template <bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n192k16(float (&d)[96], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+#define WGMMA_ASM(TYPE) asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n192k16.f32." TYPE "." TYPE " {" \
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" \
+                     "}, %96, %97, p, 1, 1, %99, %100;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+                       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+                       "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+                       "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+                       "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+                       "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]) \
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B))
+    if constexpr (BF16) WGMMA_ASM("bf16");
+    else WGMMA_ASM("f16");
+#undef WGMMA_ASM
+}
+
 // d[64 x 128] (+)= A[64 x 16] * B[16 x 128], both operands from shared memory (descriptors);
 // accumulate = 0 overwrites d (wgmma scale-d).
 template <bool BF16, int TRANS_A, int TRANS_B>
@@ -402,6 +434,7 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], uint64_t desc_a, 
 template <int BN, bool BF16, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
     if constexpr (BN == 256) wgmma_m64n256k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else if constexpr (BN == 192) wgmma_m64n192k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else if constexpr (BN == 128) wgmma_m64n128k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else if constexpr (BN == 96) wgmma_m64n96k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else if constexpr (BN == 64) wgmma_m64n64k16<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
@@ -631,8 +664,8 @@ __device__ __forceinline__ void logp_states_init(logp_row_states &st, int row0, 
     }
 }
 
-/* bias * scale_log2 for the thread's columns of the tile at col0 (-inf past V), loaded before the tile's
- * k loop so that the loads' latency hides behind it. */
+/* bias * scale_log2 for the thread's columns of the tile at col0 (-inf past V). Loaded after the tile's k
+ * loop: during it the 192-wide tile's two accumulator sets take the registers. */
 template <int BN, bool BF16>
 __device__ __forceinline__ void load_bias_log2(float (&bias_log2)[BN / 8][2], int col0, const gemm_sm90_params &p,
                                                const logp_sm90_params &lp) {
@@ -894,10 +927,10 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                 logp_states_init(st, row0, p, lp);
                 const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
                 for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
-                    float bias_log2[BN / 8][2];
-                    load_bias_log2<BN, BF16>(bias_log2, n_blk * BN, p, lp);
                     mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, LOGP_CHAIN>(d, p.k_tiles, it, a_rows, b_smem,
                                                                                             full_bar, empty_bar, cta_rank);
+                    float bias_log2[BN / 8][2];
+                    load_bias_log2<BN, BF16>(bias_log2, n_blk * BN, p, lp);
                     fold_logits_tile<BN>(d, bias_log2, n_blk * BN, st, lp);
                 }
                 store_partials(st, row0, n_unit, p, lp);
@@ -1182,8 +1215,11 @@ static void product_args(const void *hidden, int64_t ldh, const void *weight, in
 /* forward */
 
 
-/* The medium tile config (BM = BN = 128, 2-CTA clusters): fresh per-k-slice chains need a second set of
- * accumulator registers, which the 128 x 256 config cannot afford. 8 tiles per vocabulary split. */
+/* 128 x 192 tiles, 2-CTA clusters, 5 stages: the fresh k-slice chains need a second set of accumulator
+ * registers, which the 128 x 256 config cannot afford; at 192 both sets (2 x 96) fit under the consumers'
+ * setmaxnreg 232, and a wider tile needs less shared-memory bandwidth per FLOP than 128 x 128 (1.14-1.24x
+ * the GEMM vs 1.22-1.34x; docs/perf-notes.md). ptxas spills ~45 values around the fold, after the k loop.
+ * 4 tiles per vocabulary split. */
 extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *workspace, void *stream) {
     const bool bf16 = args->dtype == RLK_BF16;
     if (!bf16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
@@ -1208,8 +1244,8 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *
     lp.scale_log2 = args->inv_temperature * LOG2E;
 
     cudaStream_t s = (cudaStream_t)stream;
-    const int rc = bf16 ? launch_gemm_sm90<128, 2, 6, 2, false, false, true, float, MODE_LOGP>(&g, p, lp, device, num_sms, s)
-                        : launch_gemm_sm90<128, 2, 6, 2, false, false, false, float, MODE_LOGP>(&g, p, lp, device, num_sms, s);
+    const int rc = bf16 ? launch_gemm_sm90<192, 2, 5, 2, false, false, true, float, MODE_LOGP>(&g, p, lp, device, num_sms, s)
+                        : launch_gemm_sm90<192, 2, 5, 2, false, false, false, float, MODE_LOGP>(&g, p, lp, device, num_sms, s);
     if (rc != RLK_OK) return rc;
     return launch_linear_logp_merge(args, lp.partials, s);
 }

@@ -17,7 +17,7 @@
 
 #include "../rl_kernels.h"
 
-#define LOGP_SPLIT_COLS 1024    /* vocabulary columns per split: one partial state per row */
+#define LOGP_SPLIT_COLS 768     /* vocabulary columns per split: one partial state per row */
 #define LOGP_EMPTY_MAX (-1e30f) /* max of an empty state: finite so that (m - m') * 0 stays 0 */
 
 static const float LOG2E = 1.4426950408889634f;

@@ -9,8 +9,8 @@
  * accumulate); operands stream through a 3-stage cp.async pipeline of 64-wide D slices stored with
  * a 16-byte XOR swizzle and read with ldmatrix. Every 32-long piece of D is a fresh 2-deep mma
  * chain added to the fp32 accumulators with FADD (the tensor-core accumulator truncates; see the
- * main loop). The grid is (row tiles) x (vocabulary splits); a split is 4 consecutive vocabulary
- * tiles (1024 columns), walked in increasing order as one flat pipeline over (tile, D slice).
+ * main loop). The grid is (row tiles) x (vocabulary splits); a split is 3 consecutive vocabulary
+ * tiles (768 columns), walked in increasing order as one flat pipeline over (tile, D slice).
  * When a tile's D loop ends, the epilogue folds the 128 x 256 logits into online-softmax states
  * (running max m, sum l of 2^(x-m), sum S of 2^(x-m) (x-m), all in log2 units x = s * log2(e)):
  * each quad of lanes sharing a row reduces its 64 columns, then lane 0 merges them into the state
@@ -55,7 +55,7 @@
 #define LOGP_STAGES 3
 #define LOGP_CHAIN_K 32         /* D length of one mma accumulation chain before an fp32 add */
 #define LOGP_THREADS 256
-#define LOGP_TILES_PER_SPLIT 4
+#define LOGP_TILES_PER_SPLIT 3
 #define LOGP_ROW_SLOTS 8        /* rows per thread in the mma fragments: 4 m16 tiles x 2 halves */
 
 #define LOGP_A_STAGE_BYTES (LOGP_BM * LOGP_BK * 2)
@@ -125,7 +125,7 @@ __device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Partial kernel: one (128-row tile, 1024-column split) per CTA.
+ * Partial kernel: one (128-row tile, 768-column split) per CTA.
  * ------------------------------------------------------------------------------------------- */
 
 /* Fills the ROWS x 64 operand slice (rows [row_begin, row_begin + ROWS), columns [k0, k0 + 64))
