@@ -24,14 +24,15 @@
  *   tiles come closest to filling it); larger M whichever of the first four a waves x cycles-per-tile
  *   estimate finds fastest.
  *
- * linear_logp (LOGP kernels): the product hidden [N, D] @ weight[V, D]^T on 128 x 192 tiles (the
- * large config's producer, 2-CTA clusters and B multicast, 5 stages), each k-slice group of LOGP_CHAIN = 4 (256 of D) a fresh wgmma chain added into the logits with an fp32 FADD
- * (mma_tile: the tensor cores' accumulator adds truncate, 3.2e-4 logp error over D = 4096 with one long
- * chain, 2e-5 with these). A work item is (128-row tile, vocabulary split of LOGP_SPLIT_COLS = 768
- * columns = 4 tiles walked in increasing order); instead of storing a tile, each consumer folds it into
- * per-row online-softmax states (max, sum 2^(x - max), sum 2^(x - max) (x - max), target logit, log2
- * units) held in registers, written as one float4 per (split, row) to the workspace at the end of the
- * split. linear_logp_merge_kernel (linear_logp_common.cuh) folds a row's splits in increasing order.
+ * linear_logp (LOGP kernels): the product hidden [N, D] @ weight[V, D]^T on 128 x 192 tiles (2 consumers,
+ * 5 stages, 2-CTA clusters with B multicast), each k-slice group of LOGP_CHAIN = 4 (256 of D) a fresh
+ * wgmma chain added into the logits with an fp32 FADD (mma_tile: the tensor cores' accumulator adds
+ * truncate, 3.2e-4 logp error over D = 4096 with one long chain, 2e-5 with these). A work item is
+ * (128-row tile, vocabulary split of LOGP_SPLIT_COLS = 768 columns = 4 tiles walked in increasing order);
+ * instead of storing a tile, each consumer folds it into per-row online-softmax states (max,
+ * sum 2^(x - max), sum 2^(x - max) (x - max), target logit, log2 units) held in registers, written as one
+ * float4 per (split, row) to the workspace at the end of the split. linear_logp_merge_kernel
+ * (linear_logp_common.cuh) folds a row's splits in increasing order.
  *
  * linear_logp backward (MODE_DLOGITS): the GEMM z = hidden @ weight_chunk^T + bias on the large config
  * whose epilogue turns each z into d loss / d z (dlogit_value, per-row lse / entropy / gradients loaded
@@ -1217,8 +1218,8 @@ static void product_args(const void *hidden, int64_t ldh, const void *weight, in
 
 /* 128 x 192 tiles, 2-CTA clusters, 5 stages: the fresh k-slice chains need a second set of accumulator
  * registers, which the 128 x 256 config cannot afford; at 192 both sets (2 x 96) fit under the consumers'
- * setmaxnreg 232, and a wider tile needs less shared-memory bandwidth per FLOP than 128 x 128 (1.14-1.24x
- * the GEMM vs 1.22-1.34x; docs/perf-notes.md). ptxas spills ~45 values around the fold, after the k loop.
+ * setmaxnreg 232, and a wider tile needs less shared-memory bandwidth per FLOP than 128 x 128
+ * (docs/perf-notes.md, "linear_logp forward on SM90"). ptxas spills ~45 values around the fold, after the k loop.
  * 4 tiles per vocabulary split. */
 extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, void *workspace, void *stream) {
     const bool bf16 = args->dtype == RLK_BF16;
