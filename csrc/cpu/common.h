@@ -1,15 +1,20 @@
-/* half_convert.h: bf16 / fp16 <-> fp32 conversion in plain C for the CPU reference kernels.
+/* cpu/common.h: what the C reference kernels share: bf16 / fp16 <-> fp32 conversion in plain C, and
+ * element loads / stores of the storage dtypes through fp32.
  *
  * Stores round to nearest even, overflow goes to +-inf, NaN stays NaN (made quiet, sign and top
  * payload bits kept), fp16 subnormals are exact in both directions. Pure integer / exact float
  * arithmetic, so the result never depends on the compiler, flags or CPU.
  * Tested by tests/test_gemm.py: 16-bit outputs equal torch's rounding of the fp32 result.
  */
-#ifndef RLK_HALF_CONVERT_H_
-#define RLK_HALF_CONVERT_H_
+#ifndef RLK_CPU_COMMON_H_
+#define RLK_CPU_COMMON_H_
 
 #include <stdint.h>
 #include <string.h>
+
+#include "../rlk.h"
+
+static inline int64_t rlk_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 static inline uint32_t rlk_f32_bits(float f)
 {
@@ -73,4 +78,50 @@ static inline uint16_t rlk_f32_to_f16(float f)
     return (uint16_t)(sign | (rlk_f32_bits(aligned) - 0x3f000000u));
 }
 
-#endif /* RLK_HALF_CONVERT_H_ */
+/* Element `index` of an fp32 / bf16 / fp16 array, as fp32. */
+static inline float rlk_load_f32(const void *src, rlk_dtype dtype, int64_t index)
+{
+    if (dtype == RLK_F32) return ((const float *)src)[index];
+    if (dtype == RLK_BF16) return rlk_bf16_to_f32(((const uint16_t *)src)[index]);
+    return rlk_f16_to_f32(((const uint16_t *)src)[index]);
+}
+
+/* dst[index] = value rounded to dtype (fp32, bf16 or fp16). */
+static inline void rlk_store_f32(void *dst, rlk_dtype dtype, int64_t index, float value)
+{
+    if (dtype == RLK_F32) ((float *)dst)[index] = value;
+    else if (dtype == RLK_BF16) ((uint16_t *)dst)[index] = rlk_f32_to_bf16(value);
+    else ((uint16_t *)dst)[index] = rlk_f32_to_f16(value);
+}
+
+/* dst[q * dst_stride] = src[index + q] as fp32, q = 0..n-1 (src of an fp32 / bf16 / fp16 dtype). */
+static inline void rlk_load_row_f32(float *dst, int64_t dst_stride, const void *src, rlk_dtype dtype,
+                                    int64_t index, int64_t n)
+{
+    if (dtype == RLK_F32) {
+        const float *s = (const float *)src + index;
+        for (int64_t q = 0; q < n; q++) dst[q * dst_stride] = s[q];
+    } else if (dtype == RLK_BF16) {
+        const uint16_t *s = (const uint16_t *)src + index;
+        for (int64_t q = 0; q < n; q++) dst[q * dst_stride] = rlk_bf16_to_f32(s[q]);
+    } else {
+        const uint16_t *s = (const uint16_t *)src + index;
+        for (int64_t q = 0; q < n; q++) dst[q * dst_stride] = rlk_f16_to_f32(s[q]);
+    }
+}
+
+/* dst[index + q] = src[q] rounded to dtype (fp32, bf16 or fp16), q = 0..n-1. */
+static inline void rlk_store_row_f32(void *dst, rlk_dtype dtype, int64_t index, const float *src, int64_t n)
+{
+    if (dtype == RLK_F32) {
+        memcpy((float *)dst + index, src, (size_t)n * sizeof(float));
+    } else if (dtype == RLK_BF16) {
+        uint16_t *d = (uint16_t *)dst + index;
+        for (int64_t q = 0; q < n; q++) d[q] = rlk_f32_to_bf16(src[q]);
+    } else {
+        uint16_t *d = (uint16_t *)dst + index;
+        for (int64_t q = 0; q < n; q++) d[q] = rlk_f32_to_f16(src[q]);
+    }
+}
+
+#endif /* RLK_CPU_COMMON_H_ */
