@@ -117,21 +117,7 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
-    const int out_bytes = args->out_dtype == RLK_F32 ? 4 : 2;
-    gemm_sm90_params p;
-    memset(&p, 0, sizeof(p));
-    p.M = (int)args->M;
-    p.N = (int)args->N;
-    p.k_tiles = (int)((args->K + BK - 1) / BK);
-    p.c = args->c;
-    p.ldc = args->ldc;
-    p.out = args->out;
-    p.ldo = args->ldo;
-    p.alpha = args->alpha;
-    p.beta = args->beta;
-    p.c_pairs_aligned = args->c != nullptr && pairs_aligned(args->c, args->ldc, out_bytes);
-    p.out_pairs_aligned = pairs_aligned(args->out, args->ldo, out_bytes);
-
+    const gemm_sm90_params p = gemm_params(args);
     const int config = choose_config(args->M, args->N, !args->b_trans, num_sms);
 
     const cudaStream_t s = (cudaStream_t)ctx->stream;

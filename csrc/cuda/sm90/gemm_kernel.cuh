@@ -589,6 +589,26 @@ static inline bool pairs_aligned(const void *ptr, int64_t ld, int elem_bytes) {
     return ((uintptr_t)ptr % (2 * elem_bytes) == 0) && (ld % 2 == 0);
 }
 
+/* The kernel parameters of the product args describes, epilogue fields (C, out, alpha, beta) included;
+ * launch_gemm_sm90 fills in the tiling. */
+static inline gemm_sm90_params gemm_params(const rlk_gemm_args *args) {
+    const int out_bytes = args->out_dtype == RLK_F32 ? 4 : 2;
+    gemm_sm90_params p;
+    memset(&p, 0, sizeof(p));
+    p.M = (int)args->M;
+    p.N = (int)args->N;
+    p.k_tiles = (int)((args->K + BK - 1) / BK);
+    p.c = args->c;
+    p.ldc = args->ldc;
+    p.out = args->out;
+    p.ldo = args->ldo;
+    p.alpha = args->alpha;
+    p.beta = args->beta;
+    p.c_pairs_aligned = args->c != nullptr && pairs_aligned(args->c, args->ldc, out_bytes);
+    p.out_pairs_aligned = pairs_aligned(args->out, args->ldo, out_bytes);
+    return p;
+}
+
 /* The current device and its SM count (the persistent grids are sized by it). */
 static inline cudaError_t current_device(int *device, int *num_sms) {
     cudaError_t err = cudaGetDevice(device);

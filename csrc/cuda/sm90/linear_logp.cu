@@ -193,25 +193,22 @@ struct logp_fold {
 /* ------------------------------------ launchers --------------------------------------------- */
 
 /* The product hidden [rows, D] @ weight[cols, D]^T as GEMM arguments (A = hidden, K-major; B = weight^T,
- * b_trans = 1) and kernel parameters; the caller adds what its mode needs. */
-static void product_args(const void *hidden, int64_t ldh, const void *weight, int64_t ldw, int64_t rows,
-                         int64_t cols, int64_t D, rlk_dtype in_dtype, rlk_dtype out_dtype, rlk_gemm_args *g,
-                         gemm_sm90_params *p) {
-    memset(g, 0, sizeof(*g));
-    g->M = rows;
-    g->N = cols;
-    g->K = D;
-    g->in_dtype = in_dtype;
-    g->out_dtype = out_dtype;
-    g->a = hidden;
-    g->lda = ldh;
-    g->b = weight;
-    g->ldb = ldw;
-    g->b_trans = 1;
-    memset(p, 0, sizeof(*p));
-    p->M = (int)rows;
-    p->N = (int)cols;
-    p->k_tiles = (int)((D + BK - 1) / BK);
+ * b_trans = 1); the caller adds the epilogue fields its kernel uses. */
+static rlk_gemm_args product_args(const void *hidden, int64_t ldh, const void *weight, int64_t ldw, int64_t rows,
+                                  int64_t cols, int64_t D, rlk_dtype in_dtype, rlk_dtype out_dtype) {
+    rlk_gemm_args g;
+    memset(&g, 0, sizeof(g));
+    g.M = rows;
+    g.N = cols;
+    g.K = D;
+    g.in_dtype = in_dtype;
+    g.out_dtype = out_dtype;
+    g.a = hidden;
+    g.lda = ldh;
+    g.b = weight;
+    g.ldb = ldw;
+    g.b_trans = 1;
+    return g;
 }
 
 /* 128 x 192 tiles, 2-CTA clusters, 5 stages: the fresh k-slice chains need a second set of accumulator
@@ -236,10 +233,9 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_co
     const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
-    rlk_gemm_args g;
-    gemm_sm90_params p;
-    product_args(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, args->dtype, RLK_F32,
-                 &g, &p);
+    const rlk_gemm_args g =
+        product_args(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, args->dtype, RLK_F32);
+    const gemm_sm90_params p = gemm_params(&g);
     logp_sm90_params lp;
     memset(&lp, 0, sizeof(lp));
     lp.bias = args->bias;
@@ -270,18 +266,14 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
     if (err != cudaSuccess) return (int)err;
 
     /* z = hidden @ weight_chunk^T + 1 * bias, C = the bias row broadcast over the rows (ldc = 0) */
-    rlk_gemm_args g;
-    gemm_sm90_params p;
-    product_args(args->hidden, args->ldh, args->weight, args->ldw, args->rows, args->cols, args->D, args->dtype,
-                 args->dtype, &g, &p);
+    rlk_gemm_args g = product_args(args->hidden, args->ldh, args->weight, args->ldw, args->rows, args->cols, args->D,
+                                   args->dtype, args->dtype);
+    g.c = args->bias;
+    g.ldc = 0;
     g.out = args->dlogits;
     g.ldo = args->ld_dlogits;
-    p.c = args->bias;
-    p.ldc = 0;
-    p.out = args->dlogits;
-    p.ldo = args->ld_dlogits;
-    p.c_pairs_aligned = args->bias != nullptr && pairs_aligned(args->bias, 0, 2);
-    p.out_pairs_aligned = pairs_aligned(args->dlogits, args->ld_dlogits, 2);
+    g.alpha = g.beta = 1.0f;
+    const gemm_sm90_params p = gemm_params(&g);
     logp_sm90_params lp;
     memset(&lp, 0, sizeof(lp));
     lp.target = args->target;
