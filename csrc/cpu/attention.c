@@ -322,13 +322,13 @@ ALWAYS_INLINE void forward_row_block(const rlk_attention_args *a, int64_t item, 
         row_state[r] = EMPTY_STATE;
     }
     memset(row_o, 0, sizeof(float) * rows * d);
-    const int64_t keys = visible[rows - 1]; /* rows see nested key ranges; the last sees the most */
-    for (int64_t seg0 = 0; seg0 < keys; seg0 += SEGMENT) {
-        const int64_t seg_end = rlk_min64(seg0 + SEGMENT, keys);
+    const int64_t keys_seen = visible[rows - 1]; /* rows see nested key ranges; the last sees the most */
+    for (int64_t seg0 = 0; seg0 < keys_seen; seg0 += SEGMENT) {
+        const int64_t seg_end = rlk_min64(seg0 + SEGMENT, keys_seen);
         for (int64_t r = 0; r < rows; r++) seg_state[r] = EMPTY_STATE;
         memset(seg_acc, 0, sizeof(float) * rows * d);
         for (int64_t j0 = seg0; j0 < seg_end; j0 += BLOCK_N) {
-            const int64_t nk = rlk_min64(BLOCK_N, keys - j0);
+            const int64_t nk = rlk_min64(BLOCK_N, keys_seen - j0);
             load_block_transposed(keys_t, a, &a->k, s, g, j0, nk);
             load_block_rows(values, a, &a->v, s, g, j0, nk);
             for (int64_t r = 0; r < rows; r++) {
@@ -356,8 +356,8 @@ ALWAYS_INLINE void forward_row_block(const rlk_attention_args *a, int64_t item, 
 }
 
 /* D = dout . out and lse * log2(e) of query row i, head h: what P and dS need besides the scores. */
-static void row_statistics(const rlk_attention_args *a, const sequence *s, int64_t i, int64_t h,
-                           const float *dout, float *out_scratch, float *delta, float *lse_log2)
+ALWAYS_INLINE void row_statistics(const rlk_attention_args *a, const sequence *s, int64_t i, int64_t h,
+                                  const float *dout, float *out_scratch, float *delta, float *lse_log2)
 {
     load_query_row(out_scratch, a, &a->out, s, i, h);
     *delta = dot(dout, out_scratch, a->head_dim);
@@ -399,9 +399,9 @@ ALWAYS_INLINE void dq_row_block(const rlk_attention_args *a, int64_t item, float
         visible[r] = visible_keys(a, s, i0 + r);
     }
     memset(dq_acc, 0, sizeof(float) * rows * d);
-    const int64_t last_key = visible[rows - 1];
-    for (int64_t j0 = 0; j0 < last_key; j0 += BLOCK_N) {
-        const int64_t nk = rlk_min64(BLOCK_N, last_key - j0);
+    const int64_t keys_seen = visible[rows - 1];
+    for (int64_t j0 = 0; j0 < keys_seen; j0 += BLOCK_N) {
+        const int64_t nk = rlk_min64(BLOCK_N, keys_seen - j0);
         load_block_transposed(keys_t, a, &a->k, s, g, j0, nk);
         load_block_transposed(values_t, a, &a->v, s, g, j0, nk);
         load_block_rows(keys, a, &a->k, s, g, j0, nk);
