@@ -27,7 +27,12 @@
                       "dlogits, v0, inv_temperature, ignore_index, backend, stream)")                \
     X(linear_logp_dlogits, "linear_logp_dlogits(hidden, weight, bias, target, lse, entropy, "        \
                            "grad_logp, grad_entropy, dlogits, v0, inv_temperature, ignore_index, "    \
-                           "backend, stream)")
+                           "backend, stream)")                                                 \
+    X(attention_fwd, "attention_fwd(q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q_len, "  \
+                     "max_k_len, causal, softmax_scale, bad_index_addr, backend, stream)")            \
+    X(attention_bwd, "attention_bwd(q, k, v, out, lse, dout, dq, dk, dv, q_start, q_len, k_start, "  \
+                     "k_len, max_q_len, max_k_len, causal, softmax_scale, bad_index_addr, backend, "  \
+                     "stream)")
 
 #define RLK_DECLARE_METHOD(name, doc) PyObject *py_##name(PyObject *self, PyObject *args);
 RLK_METHODS(RLK_DECLARE_METHOD)

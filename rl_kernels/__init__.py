@@ -8,7 +8,8 @@ bits as the engine that produced them, whatever the batch shapes.
 from . import _C
 from . import kernel_registry
 from .kernel_registry import describe, get_op
-from .modules import AddmmOp, DetGemmOp, GemmOp, LinearLogp, LinearLogpOp, MatmulOp
+from .modules import AddmmOp, AttentionOp, DetGemmOp, GemmOp, LinearLogp, LinearLogpOp, MatmulOp
+from .ops.attention import attention, attention_with_kvcache
 from .ops.det_gemm import det_gemm
 from .ops.gemm import addmm, gemm, matmul
 from .ops.linear_logp import linear_logp
@@ -28,7 +29,7 @@ def get_num_threads() -> int:
 
 
 __all__ = [
-    "AddmmOp", "DetGemmOp", "GemmOp", "LinearLogp", "LinearLogpOp", "MatmulOp",
-    "NativeLinearLogpOp", "NativeMatmulOp", "addmm", "describe", "det_gemm", "gemm",
+    "AddmmOp", "AttentionOp", "DetGemmOp", "GemmOp", "LinearLogp", "LinearLogpOp", "MatmulOp",
+    "NativeLinearLogpOp", "NativeMatmulOp", "addmm", "attention", "attention_with_kvcache", "describe", "det_gemm", "gemm",
     "get_num_threads", "get_op", "kernel_registry", "linear_logp", "matmul", "set_num_threads",
 ]

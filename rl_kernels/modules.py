@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .ops.attention import attention
 from .ops.det_gemm import det_gemm
 from .ops.gemm import addmm, gemm, matmul
 from .ops.linear_logp import linear_logp
@@ -73,6 +74,13 @@ class LinearLogpOp(OpModule):
 
     def forward(self, hidden, weight, target, bias=None, **kwargs):
         return linear_logp(hidden, weight, target, bias, backend=self.backend, **kwargs)
+
+
+class AttentionOp(OpModule):
+    op, kernels = "attention", ("attention_fwd", "attention_bwd")
+
+    def forward(self, q, k, v, **kwargs):
+        return attention(q, k, v, backend=self.backend, **kwargs)
 
 
 class LinearLogp(torch.nn.Module):

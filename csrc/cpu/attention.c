@@ -697,7 +697,8 @@ static int check_lengths(const rlk_attention_args *a)
 {
     for (int64_t b = 0; b < a->batch; b++) {
         if (a->q_len[b] < 0 || a->q_len[b] > a->max_q_len || a->k_len[b] < 0 || a->k_len[b] > a->max_k_len ||
-            a->q_start[b] < 0 || a->k_start[b] < 0)
+            a->q_start[b] < 0 || a->k_start[b] < 0 || (int64_t)a->q_start[b] + a->q_len[b] > a->q_rows ||
+            (int64_t)a->k_start[b] + a->k_len[b] > a->k_rows)
             return RLK_BAD_INDEX;
     }
     return RLK_OK;

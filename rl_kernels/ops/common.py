@@ -87,6 +87,31 @@ def real_number(op: str, name: str, value) -> float:
     return float(value)
 
 
+class DeviceErrorFlag:
+    """A pinned host int32 that CUDA kernels set (host-mapped memory, no sync) when they meet bad
+    data that could not be checked before the launch without a sync (a target id, a sequence range).
+    The next call of the op reads it (no sync either) and raises ValueError with `message`."""
+
+    def __init__(self, message: str):
+        self.message = message
+        self._flags: dict[int, torch.Tensor] = {}
+
+    def address(self, device: torch.device) -> int:
+        """The flag's address for kernels on `device` (0 on the CPU: CPU kernels raise at once)."""
+        if device.type != "cuda":
+            return 0
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._flags:
+            self._flags[index] = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        return self._flags[index].data_ptr()
+
+    def raise_if_set(self) -> None:
+        for flag in self._flags.values():
+            if flag[0].item() != 0:
+                flag.zero_()
+                raise ValueError(self.message)
+
+
 def prod(sizes) -> int:
     count = 1
     for size in sizes:
@@ -94,5 +119,5 @@ def prod(sizes) -> int:
     return count
 
 
-__all__ = ["DTYPE_CODES", "FLOAT_DTYPES", "LIBRARY", "backend_and_stream", "check_float_tensors",
-           "check_tensor", "eager_direct", "prod", "real_number"]
+__all__ = ["DTYPE_CODES", "DeviceErrorFlag", "FLOAT_DTYPES", "LIBRARY", "backend_and_stream",
+           "check_float_tensors", "check_tensor", "eager_direct", "prod", "real_number"]

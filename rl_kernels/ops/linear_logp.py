@@ -30,10 +30,13 @@ import math
 import torch
 
 from .. import _C
-from .common import LIBRARY, backend_and_stream, check_tensor, eager_direct, real_number
+from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, check_tensor, eager_direct,
+                     real_number)
 
 VOCAB_CHUNK = 4096
 BACKWARD_BYTES = 240 << 20  # the issue's budget is 256 MB of extra memory in all
+BAD_TARGET = DeviceErrorFlag("target: an earlier linear_logp call on CUDA saw a target outside "
+                             "[0, V) that is not ignore_index; its rows hold NaN")
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
 
@@ -118,20 +121,19 @@ LIBRARY.define(
 
 
 def _forward_impl(hidden, weight, bias, target, temperature, ignore_index, backend):
-    _raise_if_bad_target_seen()
+    BAD_TARGET.raise_if_set()
     n = hidden.shape[0]
     code, stream = backend_and_stream("linear_logp", hidden.device, backend)
     logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device)
                           for _ in range(3))
-    flag_address = _bad_target_flag(hidden.device).data_ptr() if hidden.device.type == "cuda" else 0
-    _C.linear_logp_fwd(hidden, weight, bias, target, logp, entropy, lse, flag_address,
+    _C.linear_logp_fwd(hidden, weight, bias, target, logp, entropy, lse, BAD_TARGET.address(hidden.device),
                        1.0 / temperature, ignore_index, code, stream)
     return logp, entropy, lse
 
 
 def _backward_impl(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy,
                    temperature, ignore_index, backend):
-    _raise_if_bad_target_seen()
+    BAD_TARGET.raise_if_set()
     n, d = hidden.shape
     v = weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
@@ -199,26 +201,3 @@ def _double_backward(ctx, *grads):
 
 torch.library.register_autograd("rl_kernels::linear_logp_backward", _double_backward,
                                 setup_context=lambda ctx, inputs, output: None)
-
-
-# --------------------------------------------------------------------------------------------
-# Out-of-range targets on CUDA: a host-mapped flag the kernels set, read without a sync
-# --------------------------------------------------------------------------------------------
-
-_bad_target_flags: dict[int, torch.Tensor] = {}
-
-
-def _bad_target_flag(device: torch.device) -> torch.Tensor:
-    """A pinned host int32 the CUDA kernel can store to (mapped memory, no sync)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _bad_target_flags:
-        _bad_target_flags[index] = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-    return _bad_target_flags[index]
-
-
-def _raise_if_bad_target_seen():
-    for flag in _bad_target_flags.values():
-        if flag[0].item() != 0:
-            flag.zero_()
-            raise ValueError("target: an earlier linear_logp call on CUDA saw a target outside "
-                             "[0, V) that is not ignore_index; its rows hold NaN")
