@@ -1,11 +1,13 @@
 """python -m rl_kernels: build facts, the backend table, and a self-check of every usable backend.
 
-Each op runs on each usable backend on a small problem against an fp64 reference, and a row computed
-alone is compared bitwise with the same row inside a batch. Exit status 1 on any FAIL.
+Each op runs on each usable backend, in each dtype it takes there, on a small problem against an
+fp64 reference, and a row computed alone is compared bitwise with the same row inside a batch.
+Exit status 1 on any FAIL. ``python -m rl_kernels demo`` runs the rollout-vs-trainer demo instead.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -13,20 +15,28 @@ import torch
 import rl_kernels
 from rl_kernels import _C, kernel_registry
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative error
+# error = max |out - fp64 reference| / max |reference| (relative to the largest value), except
+# linear_logp: max |logp - fp64 logp| in nats (log-probs are already on a common scale)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 LOGP_MAX_ABS_ERR = 1e-4
+CHECKED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
+                  "cuda": (torch.bfloat16, torch.float16)}
 
 
-def _rel_err(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+def _max_rel_err(x, ref):
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _randn(gen, *shape, device, dtype, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(device, dtype)
 
 
 def _check_gemm_like(op_name, backend, device, dtype):
     gen = torch.Generator(device="cpu").manual_seed(0)
     m, k, n = 37, 200, 72
-    a = torch.randn(m, k, generator=gen).to(device, dtype)
-    w = torch.randn(n, k, generator=gen).to(device, dtype)
-    bias = torch.randn(n, generator=gen).to(device, dtype)
+    a = _randn(gen, m, k, device=device, dtype=dtype)
+    w = _randn(gen, n, k, device=device, dtype=dtype)
+    bias = _randn(gen, n, device=device, dtype=dtype)
     op = kernel_registry.get_op(op_name, backend=backend)
     if op_name == "matmul":
         run = lambda x: op(x, w.t())  # noqa: E731
@@ -38,28 +48,51 @@ def _check_gemm_like(op_name, backend, device, dtype):
         run = lambda x: op(bias, x, w.t(), beta=0.5, alpha=2.0)  # noqa: E731
         ref = 0.5 * bias.double() + 2.0 * (a.double() @ w.double().t())
     else:  # gemm: c has one row per row of a, so slice it with a
-        c = torch.randn(m, n, generator=gen).to(device, dtype)
+        c = _randn(gen, m, n, device=device, dtype=dtype)
         full = op(1.5, a, w.t(), -0.5, c)
         ref = 1.5 * (a.double() @ w.double().t()) - 0.5 * c.double()
         alone = op(1.5, a[5:6], w.t(), -0.5, c[5:6])
-        return _rel_err(full, ref), torch.equal(alone, full[5:6])
+        return _max_rel_err(full, ref), torch.equal(alone, full[5:6]), TOLERANCE[dtype]
     full = run(a)
-    alone = run(a[5:6])
-    return _rel_err(full, ref), torch.equal(alone, full[5:6])
+    return _max_rel_err(full, ref), torch.equal(run(a[5:6]), full[5:6]), TOLERANCE[dtype]
 
 
 def _check_linear_logp(backend, device, dtype):
     gen = torch.Generator(device="cpu").manual_seed(0)
     n, d, v = 33, 64, 1000
-    h = torch.randn(n, d, generator=gen).to(device, dtype)
-    w = (torch.randn(v, d, generator=gen) / 8).to(device, dtype)
+    h = _randn(gen, n, d, device=device, dtype=dtype)
+    w = _randn(gen, v, d, device=device, dtype=dtype, scale=1 / 8)
     t = torch.randint(0, v, (n,), generator=gen).to(device)
     op = kernel_registry.get_op("linear_logp", backend=backend)
     logp = op(h, w, t)
     ref = rl_kernels.NativeLinearLogpOp(torch.float64)(h, w, t)
-    err = (logp.double() - ref).abs().max().item()  # max abs error of log-probs
-    alone = op(h[5:6], w, t[5:6])
-    return err, torch.equal(alone, logp[5:6])
+    err = (logp.double() - ref).abs().max().item()
+    return err, torch.equal(op(h[5:6], w, t[5:6]), logp[5:6]), LOGP_MAX_ABS_ERR
+
+
+def _check_attention(backend, device, dtype):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    batch, t, heads_q, heads_kv, d = 2, 70, 4, 2, 64
+    q = _randn(gen, batch, t, heads_q, d, device=device, dtype=dtype)
+    k = _randn(gen, batch, t, heads_kv, d, device=device, dtype=dtype)
+    v = _randn(gen, batch, t, heads_kv, d, device=device, dtype=dtype)
+    op = kernel_registry.get_op("attention", backend=backend)
+    out = op(q, k, v)
+    group = heads_q // heads_kv
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    scores = qd @ kd.repeat_interleave(group, 1).transpose(-1, -2) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=device).triu(1), float("-inf"))
+    ref = (scores.softmax(-1) @ vd.repeat_interleave(group, 1)).transpose(1, 2)
+    alone = op(q[1:2, :41], k[1:2, :41], v[1:2, :41])  # the same rows in a shorter, single prefill
+    return _max_rel_err(out, ref), torch.equal(alone, out[1:2, :41]), TOLERANCE[dtype]
+
+
+CHECKS = {"matmul": lambda b, dev, dt: _check_gemm_like("matmul", b, dev, dt),
+          "det_gemm": lambda b, dev, dt: _check_gemm_like("det_gemm", b, dev, dt),
+          "addmm": lambda b, dev, dt: _check_gemm_like("addmm", b, dev, dt),
+          "gemm": lambda b, dev, dt: _check_gemm_like("gemm", b, dev, dt),
+          "linear_logp": _check_linear_logp,
+          "attention": _check_attention}
 
 
 def self_check() -> bool:
@@ -70,33 +103,37 @@ def self_check() -> bool:
             if not usable:
                 continue
             device = "cpu" if backend == "cpu" else "cuda"
-            dtypes = (torch.float32, torch.bfloat16) if backend == "cpu" else (torch.bfloat16,)
-            for dtype in dtypes:
+            for dtype in CHECKED_DTYPES[device]:
                 try:
-                    if op == "linear_logp":
-                        err, invariant = _check_linear_logp(backend, device, dtype)
-                        ok = err <= LOGP_MAX_ABS_ERR and invariant
-                    else:
-                        err, invariant = _check_gemm_like(op, backend, device, dtype)
-                        ok = err <= TOLERANCE[dtype] and invariant
-                    detail = f"err {err:.2e}, row-invariant {invariant}"
+                    err, invariant, tol = CHECKS[op](backend, device, dtype)
+                    ok = err <= tol and invariant
+                    detail = f"err {err:.2e} (limit {tol:.0e}), row alone == row in batch: {invariant}"
                 except Exception as exc:  # a self-check reports, it does not stop at the first
                     ok, detail = False, f"{type(exc).__name__}: {exc}"
                 rows.append((op, backend, str(dtype).replace("torch.", ""), ok, detail))
     print(f"\n{'op':<12} {'backend':<8} {'dtype':<9} {'result':<6} detail")
-    print("-" * 72)
+    print("-" * 90)
     for op, backend, dtype, ok, detail in rows:
         print(f"{op:<12} {backend:<8} {dtype:<9} {'PASS' if ok else 'FAIL':<6} {detail}")
+    print("err: max |out - fp64| / max |fp64| (linear_logp: max |logp - fp64 logp|)")
     return all(r[3] for r in rows) and len(rows) > 0
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", nargs="?", choices=("check", "demo"), default="check",
+                        help="check (default): build facts, backends, self-check; demo: rollout vs "
+                             "trainer log-probs with and without batch-invariant mode")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import main as demo_main
+        return demo_main()
     print(f"rl_kernels {rl_kernels.__version__}")
-    compiled = sorted({backend for _, backend, _ in _C.kernels()},
-                      key=kernel_registry.BACKENDS.index)
+    compiled = sorted({backend for _, backend, _ in _C.kernels()}, key=kernel_registry.BACKENDS.index)
     print(f"build: backends compiled = {', '.join(compiled)}"
-          f"{'' if kernel_registry.GPU_BACKENDS[0] in compiled else ' (CPU-only build)'}")
-    print(f"torch {torch.__version__}; CPU threads {rl_kernels.get_num_threads()}")
+          f"{'' if set(kernel_registry.GPU_BACKENDS) & set(compiled) else ' (CPU-only build)'}")
+    print(f"torch {torch.__version__} (CUDA {'available' if torch.cuda.is_available() else 'not available'});"
+          f" CPU threads {rl_kernels.get_num_threads()}")
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         print(f"device: {torch.cuda.get_device_name()} (compute capability {major}.{minor})")

@@ -172,9 +172,9 @@ def describe() -> list[dict]:
 
 def format_table(rows=None) -> str:
     rows = describe() if rows is None else rows
-    lines = [f"{'op':<12} {'backend':<8} {'usable':<7} {'kernels (first that takes the call runs)':<58} why not",
-             "-" * 100]
+    lines = [f"{'op':<12} {'backend':<8} {'usable':<7} {'why not':<24} kernels (of each entry, the first "
+             f"that takes a call runs)", "-" * 110]
     for r in rows:
         lines.append(f"{r['op']:<12} {r['backend']:<8} {'yes' if r['usable'] else 'no':<7} "
-                     f"{r['kernels']:<58} {r['why_not']}")
+                     f"{r['why_not'] or '-':<24} {r['kernels']}")
     return "\n".join(lines)

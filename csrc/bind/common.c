@@ -105,6 +105,44 @@ int rlk_run_planned(const char *entry, int backend, const tensor_arg *ref, rlk_c
     return status;
 }
 
+int rlk_align_cuda_matrix(const tensor_arg *t, const void **data, int64_t outer, int64_t inner, int64_t *ld,
+                          const rlk_context *ctx, PyObject **owner) {
+    *owner = NULL;
+    if (t->device.device_type != kDLCUDA || (uintptr_t)*data % 16 == 0 || outer == 0 || inner == 0) return 0;
+#ifdef RLK_WITH_CUDA
+    const int64_t shape[2] = {outer, inner};
+    PyObject *copy = tensor_arg_new_like(t, "aligned copy", 2, shape, t->dtype);
+    if (copy == NULL) return -1;
+    tensor_arg view;
+    if (tensor_arg_parse(copy, t->name, 0, &view) != 0) {
+        Py_DECREF(copy);
+        return -1;
+    }
+    const size_t elem = rlk_dtype_size(t->dtype);
+    int previous;
+    cudaError_t err = enter_device(t->device.device_id, &previous) == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+    if (err == cudaSuccess) {
+        err = cudaMemcpy2DAsync(view.data, (size_t)inner * elem, *data, (size_t)*ld * elem, (size_t)inner * elem,
+                                (size_t)outer, cudaMemcpyDeviceToDevice, (cudaStream_t)ctx->stream);
+        leave_device(t->device.device_id, previous);
+    }
+    *data = view.data;
+    *ld = inner;
+    tensor_arg_release(&view);
+    if (err != cudaSuccess) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_RuntimeError, "%s: aligned copy failed: %s", t->name, cudaGetErrorString(err));
+        Py_DECREF(copy);
+        return -1;
+    }
+    *owner = copy;
+    return 0;
+#else
+    (void)ctx, (void)ld;
+    return 0;
+#endif
+}
+
 int rlk_raise_for_status(int status, const char *what) {
     if (status == RLK_OK) return 0;
     if (status == RLK_PYTHON_ERROR) return -1;

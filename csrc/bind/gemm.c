@@ -210,13 +210,22 @@ PyObject *py_gemm(PyObject *self, PyObject *args) {
     }
     ok = ok && tensor_arg_parse(out_obj, "out", 0, &t[3]) == 0 &&
          prepare_gemm(&t[0], &t[1], &t[2], &t[3], &call) == 0 && rlk_check_backend(backend, &t[0]) == 0;
+    PyObject *a_copy = NULL, *b_copy = NULL;
     if (ok && call.batch > 0 && call.args.M > 0 && call.args.N > 0) {
-        call.args.alpha = (float)alpha;
-        call.args.beta = (float)beta;
-        if (alpha == 0.0) call.args.K = 0; /* BLAS: A @ B is not read */
+        rlk_gemm_args *g = &call.args;
+        g->alpha = (float)alpha;
+        g->beta = (float)beta;
+        if (alpha == 0.0) g->K = 0; /* BLAS: A @ B is not read */
         rlk_context ctx = rlk_context_for(backend, stream);
-        ok = rlk_raise_for_status(run_gemm_batches(&call, backend, &t[0], &ctx), "gemm") == 0;
+        if (call.batch == 1 && g->K > 0)
+            ok = rlk_align_cuda_matrix(&t[0], &g->a, g->a_trans ? g->K : g->M, g->a_trans ? g->M : g->K, &g->lda, &ctx,
+                                       &a_copy) == 0 &&
+                 rlk_align_cuda_matrix(&t[1], &g->b, g->b_trans ? g->N : g->K, g->b_trans ? g->K : g->N, &g->ldb, &ctx,
+                                       &b_copy) == 0;
+        ok = ok && rlk_raise_for_status(run_gemm_batches(&call, backend, &t[0], &ctx), "gemm") == 0;
     }
+    Py_XDECREF(a_copy);
+    Py_XDECREF(b_copy);
     rlk_release_all(t, 4);
     if (!ok) {
         Py_XDECREF(new_out);

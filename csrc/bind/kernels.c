@@ -40,7 +40,10 @@ static const kernel_row kernel_rows[] = {
 
 int rlk_backend_fallback(int backend) { return backend_rows[backend].fallback; }
 
-int rlk_backend_is_cuda(int backend) { return strcmp(backend_rows[backend].device, "cuda") == 0; }
+/* Also asked before a backend code is validated, so an unknown code answers 0. */
+int rlk_backend_is_cuda(int backend) {
+    return backend >= 0 && backend < RLK_NUM_BACKENDS && strcmp(backend_rows[backend].device, "cuda") == 0;
+}
 
 rlk_launcher rlk_kernel_launcher(const char *entry, int backend) {
     for (int i = 0; i < KERNEL_ROWS; i++)

@@ -57,6 +57,13 @@ static int prepare_linear_logp(tensor_arg *hidden, tensor_arg *weight, tensor_ar
     return 0;
 }
 
+/* hidden and weight presented 16-byte aligned on CUDA (rlk_align_cuda_matrix); owners[2] keep copies. */
+static int align_operands(const tensor_arg *hidden, const tensor_arg *weight, rlk_linear_logp_args *p,
+                          const rlk_context *ctx, PyObject **owners) {
+    return rlk_align_cuda_matrix(hidden, &p->hidden, p->N, p->D, &p->ldh, ctx, &owners[0]) ||
+           rlk_align_cuda_matrix(weight, &p->weight, p->V, p->D, &p->ldw, ctx, &owners[1]);
+}
+
 /* An fp32 vector of n on ref's device (optional ones may be absent); writable when `out`. */
 static int check_f32_vector(const tensor_arg *t, const tensor_arg *ref, int64_t n, int out) {
     if (!t->present) return 0;
@@ -114,8 +121,13 @@ PyObject *py_linear_logp_fwd(PyObject *self, PyObject *args) {
         p.lse = (float *)t[6].data;
         p.bad_target = (int32_t *)(uintptr_t)bad_target_addr;
         rlk_context ctx = rlk_context_for(backend, stream);
-        const int status = rlk_run_planned("linear_logp_fwd", backend, &t[0], call_linear_logp_fwd, &p,
-                                           &p.workspace, &ctx);
+        PyObject *copies[2] = {NULL, NULL};
+        const int status = align_operands(&t[0], &t[1], &p, &ctx, copies) != 0
+                               ? RLK_PYTHON_ERROR
+                               : rlk_run_planned("linear_logp_fwd", backend, &t[0], call_linear_logp_fwd, &p,
+                                                 &p.workspace, &ctx);
+        Py_XDECREF(copies[0]);
+        Py_XDECREF(copies[1]);
         if (status == RLK_BAD_INDEX) {
             PyErr_Format(PyExc_ValueError,
                          "target: a value is outside [0, %lld) and is not ignore_index (%lld)",
@@ -194,9 +206,13 @@ static PyObject *run_dz_form(PyObject *args, int fused) {
         ok = tensor_arg_parse(obj[1 + i], row_names[i], row_optional[i], &t[ROWS + i]) == 0;
     ok = ok && tensor_arg_parse(obj[6], "dlogits", 0, &t[DLOGITS]) == 0;
     rlk_linear_logp_dlogits_args d = {0};
+    PyObject *copies[2] = {NULL, NULL};
+    rlk_context ctx = rlk_context_for(backend, stream);
     if (ok && fused) {
         rlk_linear_logp_args product = {0};
-        ok = prepare_linear_logp(&t[HIDDEN], &t[WEIGHT], &t[BIAS], &t[ROWS + ROW_TARGET], &product) == 0;
+        ok = prepare_linear_logp(&t[HIDDEN], &t[WEIGHT], &t[BIAS], &t[ROWS + ROW_TARGET], &product) == 0 &&
+             rlk_check_backend(backend, &t[HIDDEN]) == 0 &&
+             align_operands(&t[HIDDEN], &t[WEIGHT], &product, &ctx, copies) == 0;
         d.rows = product.N, d.cols = product.V, d.D = product.D, d.dtype = product.dtype;
         d.hidden = product.hidden, d.ldh = product.ldh, d.weight = product.weight, d.ldw = product.ldw;
         d.bias = product.bias;
@@ -232,11 +248,12 @@ static PyObject *run_dz_form(PyObject *args, int fused) {
         d.inv_temperature = (float)inv_temperature;
         d.dlogits = t[DLOGITS].data;
         d.ld_dlogits = rlk_row_stride(&t[DLOGITS]);
-        rlk_context ctx = rlk_context_for(backend, stream);
         ok = rlk_raise_for_status(rlk_run(fused ? "linear_logp_dlogits" : "linear_logp_dz", backend, &t[HIDDEN],
                                           fused ? call_linear_logp_dlogits : call_linear_logp_dz, &d, &ctx, NULL),
                                   fused ? "linear_logp_dlogits" : "linear_logp_dz") == 0;
     }
+    Py_XDECREF(copies[0]);
+    Py_XDECREF(copies[1]);
     rlk_release_all(t, COUNT);
     if (!ok) return NULL;
     Py_RETURN_NONE;
@@ -317,11 +334,12 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "vocab_chunk, max_workspace_bytes: must be >= 1");
         ok = 0;
     }
-    PyObject *workspace = NULL;
+    PyObject *workspace = NULL, *copies[2] = {NULL, NULL};
+    rlk_context ctx = rlk_context_for(backend, stream);
+    ok = ok && (p.N == 0 || align_operands(&t[HIDDEN], &t[WEIGHT], &p, &ctx, copies) == 0);
     if (ok && p.N > 0) {
         const int64_t N = p.N, D = p.D, V = p.V, chunk = V < vocab_chunk ? V : vocab_chunk;
         const int64_t elem = (int64_t)rlk_dtype_size(dtype);
-        rlk_context ctx = rlk_context_for(backend, stream);
         /* does the backend form dz in one kernel for these operands? (then no fp32 logits are needed) */
         rlk_linear_logp_dlogits_args d = {.rows = N, .cols = chunk, .D = D, .dtype = dtype, .hidden = p.hidden,
                                           .ldh = p.ldh, .weight = p.weight, .ldw = p.ldw, .bias = p.bias,
@@ -399,6 +417,8 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
         ok = rlk_raise_for_status(status, "linear_logp backward") == 0;
     }
     Py_XDECREF(workspace);
+    Py_XDECREF(copies[0]);
+    Py_XDECREF(copies[1]);
     rlk_release_all(t, parsed);
     if (!ok) return NULL;
     Py_RETURN_NONE;

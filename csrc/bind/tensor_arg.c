@@ -342,14 +342,16 @@ int tensor_arg_check_no_overlap(const tensor_arg *out, const tensor_arg *in) {
 int tensor_arg_matrix_layout(const tensor_arg *t, int64_t *ld, int *trans) {
     const int64_t rows = t->shape[t->ndim - 2], cols = t->shape[t->ndim - 1];
     const int64_t row_stride = t->strides[t->ndim - 2], col_stride = t->strides[t->ndim - 1];
+    /* A single row (column) keeps its tensor's row (column) stride when that is a valid one, so the
+     * slice x[i:i+1] has the layout of x and takes the same kernel as x for every row count. */
     if ((cols <= 1 || col_stride == 1) && (rows <= 1 || row_stride >= cols)) {
         *trans = 0;
-        *ld = rows <= 1 ? (cols > 1 ? cols : 1) : row_stride;
+        *ld = row_stride >= cols && row_stride > 0 ? row_stride : (cols > 1 ? cols : 1);
         return 0;
     }
     if ((rows <= 1 || row_stride == 1) && (cols <= 1 || col_stride >= rows)) {
         *trans = 1;
-        *ld = cols <= 1 ? (rows > 1 ? rows : 1) : col_stride;
+        *ld = col_stride >= rows && col_stride > 0 ? col_stride : (rows > 1 ? rows : 1);
         return 0;
     }
     PyErr_Format(PyExc_ValueError,

@@ -18,7 +18,7 @@
  * aligned and unaligned addresses compared with torch.equal).
  *
  * Limits (-> RLK_UNSUPPORTED, the sm80 kernel runs): dtypes other than bf16/fp16 in, in-dtype/fp32 out;
- * A or B row stride not a multiple of 16 bytes (TMA); N or K >= 2^31. C and out: any alignment/stride.
+ * A or B not TMA-describable (base 16-byte aligned, row stride a multiple of 16 bytes); N or K >= 2^31. C and out: any alignment/stride.
  *
  * Build: python3 csrc/cuda/sm90/wgmma_gen.py build/gen && nvcc -c -gencode arch=compute_90a,code=sm_90a
  *        -O3 -std=c++17 -lineinfo -Xptxas -v -Xcompiler -fPIC -Icsrc -Ibuild/gen csrc/cuda/sm90/gemm.cu
@@ -109,7 +109,8 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     const bool out_ok = args->out_dtype == args->in_dtype || args->out_dtype == RLK_F32;
     if (!in_ok || !out_ok) return RLK_UNSUPPORTED;
     if (args->N >= INT32_MAX || args->K >= INT32_MAX) return RLK_UNSUPPORTED;
-    if (args->K > 0 && (!tma_row_stride_ok(args->lda) || !tma_row_stride_ok(args->ldb))) return RLK_UNSUPPORTED;
+    if (args->K > 0 && (!tma_operand_ok(args->a, args->lda) || !tma_operand_ok(args->b, args->ldb)))
+        return RLK_UNSUPPORTED;
     ctx->kernel = "gemm_sm90";
     if (ctx->plan_only) return RLK_OK;
 

@@ -20,8 +20,8 @@
  * tile config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
  * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
  * filled by TMA, adding exact zeros), then the epilogue's explicitly rounded fp32 operations. The wgmma
- * N width (256 to 16), the row offset inside the tile, the cluster, the operand base alignment (shifted
- * TMA coordinates load the same elements) and the store path do not change an element's arithmetic.
+ * N width (256 to 16), the row offset inside the tile, the cluster and the store path do not change an
+ * element's arithmetic.
  * No split-K, no atomics. The per-op proofs are the GPU tests named in sm90/gemm.cu and
  * sm90/linear_logp.cu.
  *
@@ -47,7 +47,6 @@ typedef struct gemm_sm90_params {
     int m_tiles;
     int n_units;                              /* column work units of Epilogue::TILES_PER_UNIT tiles */
     int col_tiles;                            /* column tiles in all */
-    int a_shift, b_shift;                     /* elements from the 16-byte aligned base to A / B */
     uint32_t a_box_bytes;                     /* bytes one stage's A loads bring (box rows may be < BM) */
     const void *c;
     int64_t ldc;
@@ -401,28 +400,28 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                         mbar_arrive_expect_tx(bar, p.a_box_bytes + B_STAGE);
                         if constexpr (A_MN) {
                             for (int j = 0; j < BM / 64; ++j)
-                                tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j + p.a_shift,
-                                            kt * BK, bar);
+                                tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j, kt * BK,
+                                            bar);
                         } else {
-                            tma_load_2d(a_smem + s * A_STAGE, &map_a, kt * BK + p.a_shift, m_blk * BM, bar);
+                            tma_load_2d(a_smem + s * A_STAGE, &map_a, kt * BK, m_blk * BM, bar);
                         }
                         const uint32_t b_dst = b_smem + s * B_STAGE;
                         if constexpr (CLUSTER == 1) {
                             if constexpr (B_MN) {
                                 for (int j = 0; j < BN / 64; ++j)
-                                    tma_load_2d(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j + p.b_shift, kt * BK, bar);
+                                    tma_load_2d(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j, kt * BK, bar);
                             } else {
-                                tma_load_2d(b_dst, &map_b, kt * BK + p.b_shift, n_blk * BN, bar);
+                                tma_load_2d(b_dst, &map_b, kt * BK, n_blk * BN, bar);
                             }
                         } else {
                             /* this CTA's half of the B tile, into both CTAs */
                             constexpr int HALF = BN / 2;
                             if constexpr (B_MN) {
                                 for (int j = cta_rank * HALF / 64; j < (cta_rank + 1) * HALF / 64; ++j)
-                                    tma_load_2d_multicast(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j + p.b_shift,
-                                                          kt * BK, bar, 0x3);
+                                    tma_load_2d_multicast(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j, kt * BK,
+                                                          bar, 0x3);
                             } else {
-                                tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, kt * BK + p.b_shift,
+                                tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, kt * BK,
                                                       n_blk * BN + cta_rank * HALF, bar, 0x3);
                             }
                         }
@@ -501,9 +500,7 @@ static bool make_tensor_map(CUtensorMap *map, CUtensorMapDataType dtype, const v
 }
 
 /* Builds the tensor maps and launches gemm_sm90_kernel for the product args describes (A, B, out), with
- * p's epilogue fields (C, alpha, beta) filled by the caller. A or B whose base is not 16-byte aligned
- * (TMA's rule) is addressed from the aligned address below it with its inner coordinates shifted, so
- * the loads bring exactly the same elements as for an aligned copy. */
+ * p's epilogue fields (C, alpha, beta) filled by the caller. */
 template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, class Epilogue>
 static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const typename Epilogue::Params &ep,
                             int device, int num_sms, cudaStream_t stream) {
@@ -518,15 +515,11 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     memset(&map_a, 0, sizeof(map_a));
     memset(&map_b, 0, sizeof(map_b));
     memset(&map_out, 0, sizeof(map_out));
-    p.a_shift = (int)((uintptr_t)args->a % 16 / 2);
-    p.b_shift = (int)((uintptr_t)args->b % 16 / 2);
     if (args->K > 0) {
-        const void *a = (const char *)args->a - 2 * p.a_shift, *b = (const char *)args->b - 2 * p.b_shift;
-        const bool ok_a = A_MN ? make_tensor_map(&map_a, in_type, a, args->M + p.a_shift, args->K, args->lda * 2, 64, BK)
-                               : make_tensor_map(&map_a, in_type, a, args->K + p.a_shift, args->M, args->lda * 2, BK, a_rows);
-        const bool ok_b = B_MN ? make_tensor_map(&map_b, in_type, b, args->N + p.b_shift, args->K, args->ldb * 2, 64, BK)
-                               : make_tensor_map(&map_b, in_type, b, args->K + p.b_shift, args->N, args->ldb * 2, BK,
-                                                 BN / CLUSTER);
+        const bool ok_a = A_MN ? make_tensor_map(&map_a, in_type, args->a, args->M, args->K, args->lda * 2, 64, BK)
+                               : make_tensor_map(&map_a, in_type, args->a, args->K, args->M, args->lda * 2, BK, a_rows);
+        const bool ok_b = B_MN ? make_tensor_map(&map_b, in_type, args->b, args->N, args->K, args->ldb * 2, 64, BK)
+                               : make_tensor_map(&map_b, in_type, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER);
         if (!ok_a || !ok_b) return RLK_UNSUPPORTED;
     }
     /* out as [M rows, N columns] in boxes of 64 rows x 128 bytes (store_tile_tma); else the register path */
@@ -581,9 +574,12 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
 }
 
 
-/* The row stride TMA can describe (a multiple of 16 bytes, below 2^40); the base may have any 2-byte
- * alignment (launch_gemm_sm90 shifts the coordinates). */
-static inline bool tma_row_stride_ok(int64_t ld) { return ld > 0 && (ld * 2) % 16 == 0 && ld * 2 < (1ll << 40); }
+/* A 16-bit operand TMA can describe: 16-byte aligned base, row stride a multiple of 16 bytes below 2^40.
+ * (The binding presents CUDA operands 16-byte aligned, copying a misaligned view, so in practice only
+ * the row stride decides.) */
+static inline bool tma_operand_ok(const void *base, int64_t ld) {
+    return (uintptr_t)base % 16 == 0 && ld > 0 && (ld * 2) % 16 == 0 && ld * 2 < (1ll << 40);
+}
 
 static inline bool pairs_aligned(const void *ptr, int64_t ld, int elem_bytes) {
     return ((uintptr_t)ptr % (2 * elem_bytes) == 0) && (ld % 2 == 0);

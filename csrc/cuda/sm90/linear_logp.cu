@@ -22,7 +22,7 @@
  * (torch.equal for rows of N = 1, 3, 17, 129, 1000 and shifted rows vs N = 4096; fused dz vs the SM90 GEMM
  * followed by the elementwise dz).
  *
- * Limits (-> RLK_UNSUPPORTED, sm80 runs): bf16/fp16 only; row strides not a multiple of 16 bytes; the
+ * Limits (-> RLK_UNSUPPORTED, sm80 runs): bf16/fp16 only; operands TMA cannot describe; the
  * forward also needs D a multiple of 8.
  *
  * Build: as sm90/gemm.cu (python3 csrc/cuda/sm90/wgmma_gen.py build/gen; nvcc ... -Ibuild/gen
@@ -222,7 +222,7 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_co
     if (args->D <= 0 || args->D % 8 != 0 || args->D >= INT32_MAX || args->N >= INT32_MAX ||
         args->V >= INT32_MAX - LOGP_SPLIT_COLS)
         return RLK_UNSUPPORTED;
-    if (!tma_row_stride_ok(args->ldh) || !tma_row_stride_ok(args->ldw)) return RLK_UNSUPPORTED;
+    if (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)) return RLK_UNSUPPORTED;
     ctx->kernel = "linear_logp_fwd_sm90";
     if (ctx->plan_only) {
         ctx->workspace_bytes = logp_splits(args->V) * args->N * (int64_t)sizeof(float4);
@@ -257,7 +257,7 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
     if (!bf16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
     if (args->D <= 0 || args->D >= INT32_MAX || args->rows >= INT32_MAX || args->cols >= INT32_MAX)
         return RLK_UNSUPPORTED;
-    if (!tma_row_stride_ok(args->ldh) || !tma_row_stride_ok(args->ldw)) return RLK_UNSUPPORTED;
+    if (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)) return RLK_UNSUPPORTED;
     ctx->kernel = "linear_logp_dlogits_sm90";
     if (ctx->plan_only) return RLK_OK;
 
