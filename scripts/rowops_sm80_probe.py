@@ -206,8 +206,22 @@ class Report:
                 print(f"  ok   {name} {detail}")
         else:
             self.failures.append(name)
-            print(f"  FAIL {name} {detail}", flush=True)
+            if len(self.failures) <= 40:
+                print(f"  FAIL {name} {detail}", flush=True)
+            elif len(self.failures) == 41:
+                print("  ... (further failures counted, not printed)", flush=True)
         return cond
+
+    def section(self, fn, *args, **kwargs):
+        """Runs one group of checks; an exception (a launcher error, a CUDA fault) is a failure of
+        the group, reported with its traceback, and the next group still runs."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            self.ok(False, f"{fn.__name__} raised {type(e).__name__}: {e}",
+                    "(for the failing launch: CUDA_LAUNCH_BLOCKING=1, or compute-sanitizer)")
 
     def note_error(self, key, err):
         self.worst[key] = max(self.worst.get(key, 0.0), err)
@@ -684,9 +698,9 @@ def run_checks(ops, device, verbose=False, threads=None):
     rep = Report(verbose)
     sizes = Sizes(device)
     t0 = time.time()
-    check_accuracy(ops, device, rep, sizes)
-    check_semantics(ops, device, rep)
-    check_invariance(ops, device, rep, sizes, threads=threads)
+    rep.section(check_accuracy, ops, device, rep, sizes)
+    rep.section(check_semantics, ops, device, rep)
+    rep.section(check_invariance, ops, device, rep, sizes, threads=threads)
     if device != "cpu":
         torch.cuda.synchronize()
     print(f"checks: {rep.passed} passed, {len(rep.failures)} failed ({time.time() - t0:.1f} s)")
@@ -749,13 +763,17 @@ def gpu_time_us(fn, n_calls, reps=5, warmup=3):
     spin kernel keeps the GPU busy for longer than queueing the n_calls takes (measured in the
     warm-up), so the events time the kernels, not the host's launch overhead."""
     k = 0
-    t0 = time.perf_counter()
     for _ in range(warmup):
         fn(k)
         k += 1
     torch.cuda.synchronize()
-    per_call_host = (time.perf_counter() - t0) / warmup  # an upper bound of the queueing time
-    sleep_cycles = int(min(0.2, max(1e-3, 2.0 * per_call_host * n_calls)) * CLOCK_HZ)
+    t0 = time.perf_counter()
+    for _ in range(3):  # queueing cost per call (the queue is short: nothing blocks)
+        fn(k)
+        k += 1
+    per_call_host = (time.perf_counter() - t0) / 3
+    torch.cuda.synchronize()
+    sleep_cycles = int(min(0.05, max(1e-3, 1.5 * per_call_host * n_calls)) * CLOCK_HZ)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -947,7 +965,12 @@ def main():
     ops = RowOps(lib, "sm80")
     rep = run_checks(ops, device, a.verbose)
     if not a.no_bench:
-        summarize(bench(ops, device, a.quick))
+        try:
+            summarize(bench(ops, device, a.quick))
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            rep.ok(False, f"bench raised {type(e).__name__}: {e}")
     if rep.failures:
         print(f"FAILED: {len(rep.failures)} checks: " + "; ".join(rep.failures[:20]))
         sys.exit(1)
