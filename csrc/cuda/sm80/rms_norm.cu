@@ -15,8 +15,9 @@
  *   forward, loop plan (longer rows): 1024 threads per row; pass 1 sums the squares and caches the
  *     row's first chunks in shared memory, pass 2 re-reads (cache, then L2/HBM) and writes y.
  *   backward: a CTA owns RMS_ROW_BLOCK = 16 consecutive rows (one row when dweight is not wanted)
- *     and walks them in order, loading the next row's x and dy while it reduces the current one
- *     (register plan; the loop plan reads each row twice). Per row: dot -> row reduction -> dx. The
+ *     and walks them in order; rows of up to 256 threads (register plan) load the next row's x and
+ *     dy while they reduce the current one (the loop plan reads each row twice). The weight is
+ *     re-read per row (L1). Per row: dot -> row reduction -> dx. The
  *     dweight partial of the block, P[b][j] = sum over its rows in increasing r of dy * h', lives
  *     in shared memory (register plan; [V][chunks] so that the owning threads' accesses are
  *     conflict-free) or directly in the workspace row (loop plan); each column is owned by one
