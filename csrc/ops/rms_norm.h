@@ -15,6 +15,24 @@
  * dtype: bf16 / fp16 / fp32 (and fp64 on the CPU, computed in fp64); x, weight, y, dy, dx, dweight
  * share it. Row strides in elements; the last dimension is contiguous.
  * workspace: ctx->workspace_bytes as planned (the dweight partials).
+ *
+ * Details fixed by the implementations (cpu/rms_norm.c, cuda/sm80/rms_norm.cu):
+ *   - rstd = 1 / sqrt(ss / cols + eps) with a correctly rounded sqrt and division (no rsqrt), ss
+ *     the fp32 sum of x_j * x_j; cols == 0 gives rstd = NaN (0 / 0), as torch's mean of nothing.
+ *   - forward: rstd may be NULL (not written). backward: rstd is required and read (the forward's
+ *     bits, so h is the forward's h); except fp64 on the CPU, which recomputes rstd in fp64 from x
+ *     and does not read it (the saved fp32 value would cost gradcheck its precision).
+ *   - dweight without a weight: computed all the same (sum_r dy * h', the gradient of a unit
+ *     weight); NULL dweight: nothing of it is computed and no workspace is planned.
+ *   - dweight order: blocks of 16 rows (both backends), each block's partial summed in increasing
+ *     r from +0; CPU: the partials added in increasing block order; sm80: the blocks cut into 16
+ *     contiguous ranges, each summed in increasing order, the 16 range sums added in increasing
+ *     order. rows == 0 gives dweight = 0. The order depends on rows (it must), never on threads,
+ *     streams or timing.
+ *   - workspace: planned as ceil(rows / 16) * cols * 4 bytes (8 for fp64) when dweight != NULL,
+ *     else 0. sm80 needs it (cudaErrorInvalidValue without it); the CPU uses it when given and
+ *     allocates the partials itself when args->workspace is NULL (same bits).
+ *   - fixed orders depend on cols and the dtype (the sm80 chunk is 16 bytes: 8 or 4 elements).
  */
 #ifndef RLK_OPS_RMS_NORM_H_
 #define RLK_OPS_RMS_NORM_H_

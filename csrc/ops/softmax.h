@@ -11,6 +11,20 @@
  *   softmax:      dx_j = y_j * (dy_j - sum_k dy_k y_k)
  *   log_softmax:  dx_j = dy_j - exp(y_j) * sum_k dy_k
  * Row strides in elements; the last dimension is contiguous.
+ *
+ * Details fixed by the implementations (cpu/softmax.c, cuda/sm80/softmax.cu):
+ *   - dtypes: fp32 -> fp32; bf16 / fp16 -> the same or fp32; fp64 -> fp64 (CPU only); anything else
+ *     is RLK_UNSUPPORTED. exp / log are expf / logf (exp / log for fp64), the division an IEEE
+ *     division (no fast-math approximations).
+ *   - the max skips NaN entries (fmaxf / comparisons), but a NaN entry makes z, hence the whole row,
+ *     NaN; a +inf entry gives inf - inf = NaN for the row; a row of all -inf gives NaN: all as torch.
+ *   - the sm80 loop plan (rows longer than 2048 16-byte chunks) computes (m, z) online: per thread
+ *     z is kept relative to its running max and rescaled by exp(old - new) when the max grows, the
+ *     threads' (m, z) then merged in a fixed order. Its z may differ in the last bits from a
+ *     max-then-sum over the same row, but it is what every row of that length gets.
+ *   - the backward's sum: softmax sum_k round(dy_k * y_k) (product rounded, then added);
+ *     log_softmax sum_k dy_k.
+ *   - fixed orders depend on cols and the dtypes (the sm80 chunk is 16 bytes of the input).
  */
 #ifndef RLK_OPS_SOFTMAX_H_
 #define RLK_OPS_SOFTMAX_H_
