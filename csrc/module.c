@@ -32,7 +32,13 @@
                      "max_k_len, causal, softmax_scale, bad_index_addr, backend, stream)")            \
     X(attention_bwd, "attention_bwd(q, k, v, out, lse, dout, dq, dk, dv, q_start, q_len, k_start, "  \
                      "k_len, max_q_len, max_k_len, causal, softmax_scale, bad_index_addr, backend, "  \
-                     "stream)")
+                     "stream)")                                                                       \
+    X(rms_norm_fwd, "rms_norm_fwd(x, weight, y, rstd, eps, round_before_weight, backend, stream)")   \
+    X(rms_norm_bwd, "rms_norm_bwd(x, weight, rstd, dy, dx, dweight, eps, round_before_weight, "      \
+                    "backend, stream)")                                                              \
+    X(softmax_fwd, "softmax_fwd(x, y, log, backend, stream): softmax (log_softmax) over rows")        \
+    X(softmax_bwd, "softmax_bwd(y, dy, dx, log, backend, stream)")                                   \
+    X(row_sum, "row_sum(x, y, mean, backend, stream): y[r] = sum (mean) of row r")
 
 #define RLK_DECLARE_METHOD(name, doc) PyObject *py_##name(PyObject *self, PyObject *args);
 RLK_METHODS(RLK_DECLARE_METHOD)

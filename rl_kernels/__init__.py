@@ -8,12 +8,14 @@ bits as the engine that produced them, whatever the batch shapes.
 from . import _C
 from . import kernel_registry
 from .kernel_registry import describe, get_op
-from .modules import AddmmOp, AttentionOp, DetGemmOp, GemmOp, LinearLogp, LinearLogpOp, MatmulOp
+from .modules import (AddmmOp, AttentionOp, DetGemmOp, GemmOp, LinearLogp, LinearLogpOp, LogSoftmaxOp,
+                      MatmulOp, RmsNormOp, RowMeanOp, RowSumOp, SoftmaxOp)
 from .ops.attention import attention, attention_with_kvcache
 from .ops.det_gemm import det_gemm
 from .ops.gemm import addmm, gemm, matmul
 from .ops.linear_logp import linear_logp
 from .ops.native import NativeLinearLogpOp, NativeMatmulOp
+from .ops.row_ops import log_softmax, rms_norm, row_mean, row_sum, softmax
 
 __version__ = "0.1.0"
 
@@ -29,7 +31,9 @@ def get_num_threads() -> int:
 
 
 __all__ = [
-    "AddmmOp", "AttentionOp", "DetGemmOp", "GemmOp", "LinearLogp", "LinearLogpOp", "MatmulOp",
-    "NativeLinearLogpOp", "NativeMatmulOp", "addmm", "attention", "attention_with_kvcache", "describe", "det_gemm", "gemm",
-    "get_num_threads", "get_op", "kernel_registry", "linear_logp", "matmul", "set_num_threads",
+    "AddmmOp", "AttentionOp", "DetGemmOp", "GemmOp", "LinearLogp", "LinearLogpOp", "LogSoftmaxOp",
+    "MatmulOp", "NativeLinearLogpOp", "NativeMatmulOp", "RmsNormOp", "RowMeanOp", "RowSumOp",
+    "SoftmaxOp", "addmm", "attention", "attention_with_kvcache", "describe", "det_gemm", "gemm",
+    "get_num_threads", "get_op", "kernel_registry", "linear_logp", "log_softmax", "matmul",
+    "rms_norm", "row_mean", "row_sum", "set_num_threads", "softmax",
 ]

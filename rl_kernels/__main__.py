@@ -87,12 +87,32 @@ def _check_attention(backend, device, dtype):
     return _max_rel_err(out, ref), torch.equal(alone, out[1:2, :41]), TOLERANCE[dtype]
 
 
+def _check_row_op(op_name, backend, device, dtype):
+    """A row op on 33 rows of 1000 against its torch form in fp64; row 5 alone vs in the batch."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = _randn(gen, 33, 1000, device=device, dtype=dtype)
+    w = _randn(gen, 1000, device=device, dtype=dtype)
+    op = kernel_registry.get_op(op_name, backend=backend)
+    xd = x.double()
+    run, ref = {
+        "rms_norm": (lambda v: op(v, w), torch.nn.functional.rms_norm(xd, (1000,), w.double(), 1e-6)),
+        "softmax": (lambda v: op(v), xd.softmax(-1)),
+        "log_softmax": (lambda v: op(v), xd.log_softmax(-1)),
+        "row_sum": (lambda v: op(v), xd.sum(-1)),
+        "row_mean": (lambda v: op(v), xd.mean(-1)),
+    }[op_name]
+    full = run(x)
+    return _max_rel_err(full, ref), torch.equal(run(x[5:6]), full[5:6]), TOLERANCE[dtype]
+
+
 CHECKS = {"matmul": lambda b, dev, dt: _check_gemm_like("matmul", b, dev, dt),
           "det_gemm": lambda b, dev, dt: _check_gemm_like("det_gemm", b, dev, dt),
           "addmm": lambda b, dev, dt: _check_gemm_like("addmm", b, dev, dt),
           "gemm": lambda b, dev, dt: _check_gemm_like("gemm", b, dev, dt),
           "linear_logp": _check_linear_logp,
-          "attention": _check_attention}
+          "attention": _check_attention,
+          **{op: (lambda b, dev, dt, op=op: _check_row_op(op, b, dev, dt))
+             for op in ("rms_norm", "softmax", "log_softmax", "row_sum", "row_mean")}}
 
 
 def self_check() -> bool:

@@ -13,6 +13,7 @@ from .ops.attention import attention
 from .ops.det_gemm import det_gemm
 from .ops.gemm import addmm, gemm, matmul
 from .ops.linear_logp import linear_logp
+from .ops.row_ops import log_softmax, rms_norm, row_mean, row_sum, softmax
 
 
 class OpModule(torch.nn.Module):
@@ -81,6 +82,41 @@ class AttentionOp(OpModule):
 
     def forward(self, q, k, v, **kwargs):
         return attention(q, k, v, backend=self.backend, **kwargs)
+
+
+class RmsNormOp(OpModule):
+    op, kernels = "rms_norm", ("rms_norm_fwd", "rms_norm_bwd")
+
+    def forward(self, x, weight=None, eps=1e-6, **kwargs):
+        return rms_norm(x, weight, eps, backend=self.backend, **kwargs)
+
+
+class SoftmaxOp(OpModule):
+    op, kernels = "softmax", ("softmax_fwd", "softmax_bwd")
+
+    def forward(self, x, dim=-1, **kwargs):
+        return softmax(x, dim, backend=self.backend, **kwargs)
+
+
+class LogSoftmaxOp(OpModule):
+    op, kernels = "log_softmax", ("softmax_fwd", "softmax_bwd")
+
+    def forward(self, x, dim=-1, **kwargs):
+        return log_softmax(x, dim, backend=self.backend, **kwargs)
+
+
+class RowSumOp(OpModule):
+    op, kernels = "row_sum", ("row_sum",)
+
+    def forward(self, x, **kwargs):
+        return row_sum(x, backend=self.backend, **kwargs)
+
+
+class RowMeanOp(OpModule):
+    op, kernels = "row_mean", ("row_sum",)
+
+    def forward(self, x, **kwargs):
+        return row_mean(x, backend=self.backend, **kwargs)
 
 
 class LinearLogp(torch.nn.Module):
