@@ -13,7 +13,7 @@ from conftest import HAS_CUDA, randn
 
 
 def test_unknown_op_lists_known_ones():
-    with pytest.raises(KeyError, match="known ops: addmm, attention, det_gemm, gemm, linear_logp, matmul"):
+    with pytest.raises(KeyError, match="known ops: addmm, attention, det_gemm, gemm, linear_logp, log_softmax, matmul, rms_norm, row_mean, row_sum, softmax"):
         kernel_registry.get_op("quantum_fft")
 
 
