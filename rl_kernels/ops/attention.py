@@ -60,6 +60,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if packed:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("attention(): give both cu_seqlens_q and cu_seqlens_k (or neither)")
+        if any(x is not None for x in (q_start, q_len, k_start, k_len)):
+            raise ValueError("attention(): q_start / q_len / k_start / k_len describe a padded "
+                             "[B, T, H, d] batch; with cu_seqlens the ranges come from cu_seqlens")
         if q.dim() != 3:
             raise ValueError(f"attention(): with cu_seqlens, q must be packed [total, H, d], got "
                              f"{q.dim()}-D")
@@ -100,7 +103,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the cache at positions cache_seqlens .. cache_seqlens + Tn - 1 (in place; cache_seqlens is not
     updated). Then each sequence's Tq queries attend to its cache_seqlens (+ Tn) keys, the queries
     being the last Tq positions (causal: aligned bottom-right). Not differentiable."""
-    q, k_cache, v_cache = _check_qkv("attention_with_kvcache", q, k_cache, v_cache)
+    q, k, v = _check_qkv("attention_with_kvcache", q, k_cache, v_cache)  # k, v: head dim contiguous
     if q.dim() != 4:
         raise ValueError(f"attention_with_kvcache(): q must be [B, T, H, d], got {q.dim()}-D")
     batch, t_max = q.shape[0], k_cache.shape[1]
@@ -110,9 +113,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     causal = _check_bool("attention_with_kvcache", "causal", causal)
     return_lse = _check_bool("attention_with_kvcache", "return_lse", return_lse)
     cached = _cache_seqlens(cache_seqlens, batch, q.device)
-    k_len = cached
     if (k_new is None) != (v_new is None):
         raise ValueError("attention_with_kvcache(): give both k_new and v_new (or neither)")
+    t_new = 0
     if k_new is not None:
         for name, new in (("k_new", k_new), ("v_new", v_new)):
             check_tensor("attention_with_kvcache", name, new)
@@ -122,16 +125,26 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                  f"cache ({k_cache.dtype}), got {tuple(new.shape)} {new.dtype}")
         if k_new.shape != v_new.shape:
             raise ValueError("attention_with_kvcache(): k_new and v_new differ in shape")
-        k_len = cached + k_new.shape[1]
-        if not cached.is_cuda and int(k_len.max()) > t_max:  # on CUDA the kernels flag it (no sync)
-            raise ValueError(f"cache_seqlens: appending {k_new.shape[1]} keys overflows the cache of "
-                             f"{t_max} (largest cache_seqlens {int(cached.max())})")
-        _append(k_cache, v_cache, k_new, v_new, cached)
+        t_new = k_new.shape[1]
+    k_len = cached + t_new
+    if not cached.is_cuda:  # free to check here; on CUDA the kernels flag a bad range (no sync)
+        if batch and int(cached.min()) < 0:
+            raise ValueError(f"attention_with_kvcache(): cache_seqlens must be >= 0, got "
+                             f"{cached.tolist()[:8]}")
+        if batch and t_new and int(k_len.max()) > t_max:
+            raise ValueError(f"cache_seqlens: appending {t_new} keys overflows the cache of {t_max} "
+                             f"(largest cache_seqlens {int(cached.max())})")
+    else:  # a negative or overflowing sequence gets k_len -1, which the kernels flag
+        k_len = torch.where((cached < 0) | (k_len > t_max), -1, k_len)
+    if k_new is not None:
+        _append(k_cache, v_cache, k_new, v_new, cached)  # into the caller's cache, whatever its strides
+        if k is not k_cache or v is not v_cache:  # the kernels read a head-dim-contiguous copy
+            k, v = k_cache.contiguous(), v_cache.contiguous()
     zeros = torch.zeros(batch, dtype=torch.int32, device=q.device)
     q_len = torch.full((batch,), q.shape[1], dtype=torch.int32, device=q.device)
     with torch.no_grad():
-        out, lse = _forward_impl(q, k_cache, v_cache, zeros, q_len, zeros, k_len, q.shape[1], t_max,
-                                 causal, scale, backend or "auto")
+        out, lse = _forward_impl(q, k, v, zeros, q_len, zeros, k_len, q.shape[1], t_max, causal,
+                                 scale, backend or "auto")
     return (out, lse) if return_lse else out
 
 
@@ -183,26 +196,27 @@ def _scale(op, softmax_scale, d):
     return scale
 
 
-def _int32_vector(name, t, length, device):
-    check_tensor("attention", name, t)
+def _int32_vector(name, t, length, device, op="attention"):
+    check_tensor(op, name, t)
     if t.dtype != torch.int32:
-        raise TypeError(f"attention(): {name} must be int32 (as flash-attention's), got {t.dtype}")
+        raise TypeError(f"{op}(): {name} must be int32 (as flash-attention's), got {t.dtype}")
     if t.dim() != 1 or (length is not None and t.shape[0] != length):
-        raise ValueError(f"attention(): {name} must be 1-D" +
+        raise ValueError(f"{op}(): {name} must be 1-D" +
                          (f" of length {length}" if length is not None else "") +
                          f", got shape {tuple(t.shape)}")
     return t.to(device).contiguous()
 
 
 def _ranges_from_cu_seqlens(name, cu, rows, max_len, device):
-    """(start, len, max_len) of packed sequences; cu_seqlens is checked on the host when it lives
-    there or when max_len must be computed anyway (a CUDA cu_seqlens with max_len given is checked
-    by the kernels, which flag a bad range without a sync)."""
+    """(start, len, max_len) of packed sequences. cu_seqlens is read and checked on the host when
+    that costs nothing (CPU, eager) or when max_len must be computed from it; otherwise (CUDA with
+    max_len, or under torch.compile) it is not read: the launchers check every range (the CPU one
+    raises, CUDA kernels flag it for the next call)."""
     cu = _int32_vector(name, cu, None, device)
     if cu.shape[0] < 1:
         raise ValueError(f"attention(): {name} needs at least one entry (0)")
     start, length = cu[:-1], cu[1:] - cu[:-1]
-    if not cu.is_cuda or max_len is None:
+    if max_len is None or (not cu.is_cuda and not torch.compiler.is_compiling()):
         values = cu.tolist()
         if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] > rows:
             raise ValueError(f"attention(): {name} must increase from 0 to at most {rows} (the "
@@ -234,17 +248,17 @@ def _cache_seqlens(cache_seqlens, batch, device):
                         f"got {type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
-    return _int32_vector("cache_seqlens", cache_seqlens, batch, device)
+    return _int32_vector("cache_seqlens", cache_seqlens, batch, device, "attention_with_kvcache")
 
 
 def _append(k_cache, v_cache, k_new, v_new, cached):
     """k_cache[b, cached[b] + j] = k_new[b, j] (v likewise), in one indexed copy per tensor. Positions
-    past the cache are clamped to its last row: such a call is refused (CPU at once, CUDA through
-    the kernels' flag), and clamping keeps the copy itself in bounds."""
+    outside the cache are clamped into it: such a call is refused (CPU at once, CUDA through the
+    kernels' flag), and clamping keeps the copy itself in bounds."""
     batch, t_new = k_new.shape[:2]
     t_max = k_cache.shape[1]
     positions = (cached.to(torch.int64)[:, None] +
-                 torch.arange(t_new, device=cached.device)).clamp_(max=t_max - 1)
+                 torch.arange(t_new, device=cached.device)).clamp_(0, t_max - 1)
     rows = torch.arange(batch, device=cached.device)[:, None].expand(batch, t_new)
     k_cache[rows, positions] = k_new
     v_cache[rows, positions] = v_new

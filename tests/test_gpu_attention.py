@@ -1,0 +1,432 @@
+"""attention on the CUDA backends (sm90, sm80): accuracy of out / lse / dq / dk / dv vs fp64 and
+vs torch SDPA's error, bitwise prefill == chunked prefill == token-by-token decode (split-KV),
+packing, padding, batch 1 vs 16 decode, CUDA-graph decode, the Qwen3-8B shape, stale NaN in the
+cache, deterministic backward, bad ranges flagged without a sync. Skipped without CUDA (and per
+backend when it has no attention kernels or cannot run on the device)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rl_kernels
+from rl_kernels import kernel_registry
+from conftest import HAS_CUDA, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+def _usable(backend):
+    return HAS_CUDA and kernel_registry.backend_status("attention", backend)[0]
+
+
+GPU_BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not _usable(b), reason=f"{b} not usable"))
+                for b in ("sm90", "sm80")]
+DTYPES = [torch.bfloat16, torch.float16]
+# the floor under "no worse than SDPA": a quarter of the dtype's epsilon, relative
+FLOOR = {torch.bfloat16: 2.0 ** -10, torch.float16: 2.0 ** -13}
+SDPA_FACTOR = 2.0
+
+
+def cuda_randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def i32(values):
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+def qkv(b, tq, tk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
+    return (cuda_randn(b, tq, hq, d, dtype=dtype, seed=seed, scale=1.5),
+            cuda_randn(b, tk, hkv, d, dtype=dtype, seed=seed + 1),
+            cuda_randn(b, tk, hkv, d, dtype=dtype, seed=seed + 2))
+
+
+def reference(q, k, v, causal=True, scale=None):
+    """fp64 attention ([B, Tq, Hq, d] / [B, Tk, Hkv, d], every row real), bottom-right causal;
+    rows without keys: out 0, lse -inf. Differentiable."""
+    q, k, v = q.double(), k.double(), v.double()
+    tq, hq, d = q.shape[1:]
+    tk, hkv = k.shape[1:3]
+    scale = d ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    v = v.repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    rows = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
+    masked = (torch.arange(tk, device=q.device)[None, :] > rows) if causal else \
+        torch.zeros(tq, tk, dtype=torch.bool, device=q.device)
+    seen = ~masked.all(-1, keepdim=True)
+    s = s.masked_fill(masked & seen, -math.inf)
+    p = torch.softmax(s, -1) * seen
+    lse = torch.logsumexp(s, -1).masked_fill(~seen[:, 0], -math.inf)
+    return torch.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def grads_of(fn, q, k, v, cotangent):
+    q, k, v = leaves(q, k, v)
+    out = fn(q, k, v)
+    out.backward(cotangent.to(out.dtype))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def sdpa(q, k, v, causal):
+    """torch SDPA on [B, T, H, d] (square q / k when causal: SDPA aligns its mask top-left)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Accuracy
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (4, 1)])
+@pytest.mark.parametrize("t", [1, 2, 127, 1000, 4097])
+def test_accuracy_vs_fp64_and_sdpa(backend, dtype, d, causal, hq, hkv, t):
+    """out, lse, dq, dk, dv vs fp64 (random cotangent): errors no worse than SDPA's on the same
+    inputs (times SDPA_FACTOR, above a floor). The fp64 reference covers the first and last KV
+    heads' groups (heads are independent), so 4097 tokens stay cheap."""
+    b = 1 if t > 1000 else 2
+    q, k, v = qkv(b, t, t, hq, hkv, d, dtype, seed=t + d)
+    cot = cuda_randn(b, t, hq, d, dtype=dtype, seed=t + d + 3)
+    fn = lambda q, k, v: rl_kernels.attention(q, k, v, causal=causal, backend=backend)  # noqa: E731
+    got = grads_of(fn, q, k, v, cot)  # (the backward runs on autograd's device thread)
+    theirs = grads_of(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, cot)
+    group = hq // hkv
+    kv_heads = sorted({0, hkv - 1})
+    q_heads = [h for g in kv_heads for h in range(g * group, (g + 1) * group)]
+    want = grads_of(lambda q, k, v: reference(q, k, v, causal)[0], q[:, :, q_heads].double(),
+                    k[:, :, kv_heads].double(), v[:, :, kv_heads].double(), cot[:, :, q_heads])
+    # one key (t = 1): out = v, so dq = dk = 0 exactly; errors are then measured against 1% of
+    # dv's norm (the cotangent's scale) rather than a zero norm
+    norm_floor = 1e-2 * want[3].norm().item()
+    for name, mine, sd, ref, heads in zip(("out", "dq", "dk", "dv"), got, theirs, want,
+                                          (q_heads, q_heads, kv_heads, kv_heads)):
+        assert mine.dtype == dtype and torch.isfinite(mine).all(), name
+        denom = max(ref.norm().item(), norm_floor)
+        err = (mine[:, :, heads].double() - ref).norm().item() / denom
+        sdpa_err = (sd[:, :, heads].double() - ref).norm().item() / denom
+        assert err <= max(SDPA_FACTOR * sdpa_err, FLOOR[dtype]), \
+            f"{name}: rel err {err:.3g} vs SDPA's {sdpa_err:.3g}"
+    out, lse = rl_kernels.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
+    assert kernel_registry.last_kernel() in kernel_registry.kernel_chain("attention_fwd", backend)
+    assert lse.dtype == torch.float32 and lse.shape == (b, hq, t)
+    assert torch.equal(out, got[0])
+    ref_lse = reference(q[:, :, q_heads], k[:, :, kv_heads], v[:, :, kv_heads], causal)[1]
+    assert (lse[:, q_heads].double() - ref_lse).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("tq,tk", [(1, 1000), (1, 4097), (127, 1000), (64, 4097), (5, 3)])
+def test_decode_and_chunk_shapes_vs_fp64(backend, dtype, causal, tq, tk):
+    """q shorter (or longer) than k, causal bottom-right: vs fp64 (SDPA has no bottom-right mask)."""
+    q, k, v = qkv(2, tq, tk, 32, 8, 128, dtype, seed=tq * 7 + tk)
+    out, lse = rl_kernels.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
+    ref, ref_lse = reference(q, k, v, causal)
+    assert rel_err(out, ref) <= {torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() - ref_lse[seen]).abs().max() <= 1e-4
+    if not seen.all():  # rows before the first key: exactly 0
+        assert torch.equal(out[:, :tq - tk], torch.zeros_like(out[:, :tq - tk]))
+
+
+def test_cuda_rejects_what_only_the_cpu_takes():
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    q, k, v = qkv(1, 4, 4, 4, 2, 40, seed=1)
+    with pytest.raises(ValueError, match="head dim 40 is not supported on CUDA"):
+        rl_kernels.attention(q, k, v)
+    q, k, v = qkv(1, 4, 4, 4, 2, 64, torch.float32, seed=2)
+    with pytest.raises(TypeError, match="CUDA attention takes bfloat16 or float16"):
+        rl_kernels.attention(q, k, v)
+    with pytest.raises(TypeError, match="on cuda"):
+        rl_kernels.attention(q.bfloat16(), k.bfloat16().cpu(), v.bfloat16())
+
+
+# --------------------------------------------------------------------------------------------
+# Bitwise invariance
+# --------------------------------------------------------------------------------------------
+
+T_DECODE = 2000
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_chunked_prefill_and_decode_bitwise(backend, dtype, d):
+    q, k, v = qkv(1, T_DECODE, T_DECODE, 32, 8, d, dtype, seed=10 + d)
+    full, full_lse = rl_kernels.attention(q, k, v, return_lse=True, backend=backend)
+    for chunk in (1, 7, 64, 100, 512, 1000):
+        bounds = list(range(0, T_DECODE, chunk)) + [T_DECODE]
+        sliced, cached, ranged = [], [], torch.zeros_like(full)
+        k_cache = torch.full((1, T_DECODE + 48, 8, d), float("nan"), dtype=dtype, device="cuda")
+        v_cache = k_cache.clone()
+        for s, e in zip(bounds, bounds[1:]):
+            out, lse = rl_kernels.attention(q[:, s:e], k[:, :e], v[:, :e], return_lse=True,
+                                            backend=backend)
+            sliced.append(out)
+            assert torch.equal(lse, full_lse[..., s:e]), f"chunk {chunk}: lse of {s}:{e}"
+            if chunk >= 64:  # q_start / q_len / k_len ranges in the full tensors
+                out = rl_kernels.attention(q, k, v, q_start=i32([s]), q_len=i32([e - s]),
+                                           k_len=i32([e]), backend=backend)
+                ranged[:, s:e] = out[:, s:e]
+            cached.append(rl_kernels.attention_with_kvcache(
+                q[:, s:e], k_cache, v_cache, i32([s]), k_new=k[:, s:e], v_new=v[:, s:e],
+                backend=backend))
+        assert torch.equal(torch.cat(sliced, 1), full), f"chunk {chunk}, sliced"
+        assert torch.equal(torch.cat(cached, 1), full), f"chunk {chunk}, KV cache"
+        if chunk >= 64:
+            assert torch.equal(ranged, full), f"chunk {chunk}, ranges"
+    for _ in range(3):  # repeats
+        assert torch.equal(rl_kernels.attention(q, k, v, backend=backend), full)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_qwen3_8b_prefill_vs_decode_of_last_64_tokens(backend):
+    t, tail = 4096, 64
+    q, k, v = qkv(1, t, t, 32, 8, 128, seed=20)
+    full, full_lse = rl_kernels.attention(q, k, v, return_lse=True, backend=backend)
+    k_cache = torch.full((1, t + 64, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v_cache = k_cache.clone()
+    k_cache[:, :t - tail], v_cache[:, :t - tail] = k[:, :t - tail], v[:, :t - tail]
+    for p in range(t - tail, t):
+        out, lse = rl_kernels.attention_with_kvcache(q[:, p:p + 1], k_cache, v_cache, p,
+                                                     k_new=k[:, p:p + 1], v_new=v[:, p:p + 1],
+                                                     return_lse=True, backend=backend)
+        assert torch.equal(out, full[:, p:p + 1]), f"decoded row {p}"
+        assert torch.equal(lse, full_lse[..., p:p + 1]), f"lse of decoded row {p}"
+    # the last 64 rows as one chunk over the cache, too
+    chunk = rl_kernels.attention_with_kvcache(q[:, t - tail:], k_cache, v_cache, t, backend=backend)
+    assert torch.equal(chunk, full[:, t - tail:])
+
+
+def _sequences(lengths, hq=32, hkv=8, d=128, seed=30):
+    return [qkv(1, n, n, hq, hkv, d, seed=seed + 3 * i) for i, n in enumerate(lengths)]
+
+
+def _pack(parts):
+    cu = [0]
+    for q, _, _ in parts:
+        cu.append(cu[-1] + q.shape[1])
+    return (torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts]),
+            torch.cat([p[2][0] for p in parts]), i32(cu))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_packing_orders_and_padding_bitwise(backend, causal):
+    lengths = [2000, 5, 0, 64, 65, 513, 1]
+    seqs = _sequences(lengths)
+    alone = [rl_kernels.attention(*s, causal=causal, return_lse=True, backend=backend) for s in seqs]
+    for order in ([0, 1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1, 0], [3, 0, 6, 2, 5, 1, 4]):
+        q, k, v, cu = _pack([seqs[i] for i in order])
+        out, lse = rl_kernels.attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        return_lse=True, backend=backend)
+        for slot, i in enumerate(order):
+            s, e = int(cu[slot]), int(cu[slot + 1])
+            assert torch.equal(out[s:e], alone[i][0][0]), f"order {order}: sequence {i}"
+            assert torch.equal(lse[:, s:e], alone[i][1][0]), f"order {order}: lse of sequence {i}"
+    t = 2048
+    for side in ("left", "right"):
+        pq = torch.full((len(lengths), t, 32, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        pk = torch.full((len(lengths), t, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        pv = pk.clone()
+        starts = [t - n if side == "left" else 0 for n in lengths]
+        for b, (s, n) in enumerate(zip(starts, lengths)):
+            pq[b, s:s + n], pk[b, s:s + n], pv[b, s:s + n] = (x[0] for x in seqs[b])
+        start, length = i32(starts), i32(lengths)
+        out = rl_kernels.attention(pq, pk, pv, causal=causal, q_start=start, q_len=length,
+                                   k_start=start, k_len=length, backend=backend)
+        for b, (s, n) in enumerate(zip(starts, lengths)):
+            assert torch.equal(out[b, s:s + n], alone[b][0][0]), f"{side} padding, sequence {b}"
+            pad = torch.ones(t, dtype=torch.bool, device="cuda")
+            pad[s:s + n] = False
+            assert torch.equal(out[b, pad], torch.zeros_like(out[b, pad])), f"{side} padding rows"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_decode_batch_1_vs_16_and_stale_nan(backend):
+    """16 caches of different lengths, NaN past each length: one batched decode step equals each
+    sequence decoded alone and its prefill's row."""
+    lengths = [1, 2, 63, 64, 65, 127, 511, 512, 513, 1000, 1023, 1024, 1025, 1999, 2000, 37]
+    seqs = _sequences(lengths, seed=40)
+    q, k, v, cu = _pack(seqs)
+    prefill = rl_kernels.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend)
+    k_cache = torch.full((16, 2048, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v_cache = k_cache.clone()
+    for b, n in enumerate(lengths):
+        k_cache[b, :n - 1], v_cache[b, :n - 1] = seqs[b][1][0, :n - 1], seqs[b][2][0, :n - 1]
+    q_last = torch.stack([s[0][0, -1:] for s in seqs])
+    k_last = torch.stack([s[1][0, -1:] for s in seqs])
+    v_last = torch.stack([s[2][0, -1:] for s in seqs])
+    seqlens = i32([n - 1 for n in lengths])
+    batched = rl_kernels.attention_with_kvcache(q_last, k_cache, v_cache, seqlens, k_new=k_last,
+                                                v_new=v_last, backend=backend)
+    assert torch.isfinite(batched).all()
+    for b, n in enumerate(lengths):
+        assert torch.equal(batched[b, 0], prefill[int(cu[b + 1]) - 1]), f"sequence {b} vs prefill"
+        one = rl_kernels.attention_with_kvcache(q_last[b:b + 1], k_cache[b:b + 1],
+                                                v_cache[b:b + 1], n, backend=backend)
+        assert torch.equal(one, batched[b:b + 1]), f"sequence {b} alone"
+    # zero-filled tails give the same bits as NaN-filled ones
+    clean_k, clean_v = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    clean = rl_kernels.attention_with_kvcache(q_last, clean_k, clean_v, seqlens + 1, backend=backend)
+    assert torch.equal(clean, batched)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_cuda_graph_decode_step(backend):
+    """A captured decode step (k_new appended at cache_seqlens, a device tensor) replayed at new
+    positions gives each position's prefill row."""
+    t = 700
+    seqs = _sequences([t, t], seed=50)
+    q, k, v = (torch.cat(x) for x in zip(*seqs))
+    prefill = rl_kernels.attention(q, k, v, backend=backend)
+    k_cache = torch.full((2, 1024, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v_cache = k_cache.clone()
+    offsets = (0, 37)  # sequence 1 runs 37 positions behind sequence 0
+    start = 500
+    for b, o in enumerate(offsets):
+        k_cache[b, :start - o], v_cache[b, :start - o] = k[b, :start - o], v[b, :start - o]
+    static_q = torch.zeros(2, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    static_k = torch.zeros(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    static_v = static_k.clone()
+    seqlens = i32([start - o for o in offsets])
+
+    def load(p):
+        for b, o in enumerate(offsets):
+            static_q[b], static_k[b], static_v[b] = q[b, p - o:p - o + 1], k[b, p - o:p - o + 1], \
+                v[b, p - o:p - o + 1]
+            seqlens[b] = p - o
+
+    def step():
+        return rl_kernels.attention_with_kvcache(static_q, k_cache, v_cache, seqlens, k_new=static_k,
+                                                 v_new=static_v, backend=backend)
+
+    load(start)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for p in range(start, t):
+        load(p)
+        graph.replay()
+        for b, o in enumerate(offsets):
+            assert torch.equal(captured[b, 0], prefill[b, p - o]), f"position {p - o} of {b}"
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_backward_deterministic_and_dq_rows_invariant(backend):
+    seqs = _sequences([1500, 70, 1], seed=60)
+    cots = [cuda_randn(*s[0].shape, seed=61 + i) for i, s in enumerate(seqs)]
+    fn = lambda q, k, v: rl_kernels.attention(q, k, v, backend=backend)  # noqa: E731
+    alone = [grads_of(fn, *s, c) for s, c in zip(seqs, cots)]
+    for _ in range(3):
+        again = grads_of(fn, *seqs[0], cots[0])
+        assert all(torch.equal(x, y) for x, y in zip(again, alone[0])), "run to run"
+    order = [2, 0, 1]
+    q, k, v, cu = _pack([seqs[i] for i in order])
+    cot = torch.cat([cots[i][0] for i in order])
+    packed_fn = lambda q, k, v: rl_kernels.attention(q, k, v, cu_seqlens_q=cu,  # noqa: E731
+                                                     cu_seqlens_k=cu, backend=backend)
+    packed = grads_of(packed_fn, q, k, v, cot)
+    for _ in range(2):
+        assert all(torch.equal(x, y) for x, y in zip(grads_of(packed_fn, q, k, v, cot), packed))
+    for slot, i in enumerate(order):
+        s, e = int(cu[slot]), int(cu[slot + 1])
+        assert torch.equal(packed[0][s:e], alone[i][0][0]), f"out of sequence {i}"
+        assert torch.equal(packed[1][s:e], alone[i][1][0]), f"dq of sequence {i}"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_streams_and_get_op(backend):
+    q, k, v = qkv(2, 1000, 1000, 32, 8, 128, seed=70)
+    want = rl_kernels.attention(q, k, v, backend=backend)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = rl_kernels.attention(q, k, v, backend=backend)
+    side.synchronize()
+    assert torch.equal(on_side, want)
+    op = kernel_registry.get_op("attention", backend=backend)
+    assert torch.equal(op(q, k, v), want)
+    assert kernel_registry.last_kernel() in kernel_registry.kernel_chain("attention_fwd", backend)
+
+
+def test_backends_each_self_consistent_not_necessarily_equal():
+    """sm80 and sm90 may differ in bits (different MMA instructions); each agrees with itself
+    between prefill and decode, and both are close to each other."""
+    if not (_usable("sm80") and _usable("sm90")):
+        pytest.skip("needs both sm80 and sm90")
+    q, k, v = qkv(1, 1100, 1100, 32, 8, 128, seed=80)
+    full = {b: rl_kernels.attention(q, k, v, backend=b) for b in ("sm80", "sm90")}
+    for b in ("sm80", "sm90"):
+        for p in (0, 511, 512, 1099):
+            row = rl_kernels.attention_with_kvcache(q[:, p:p + 1], k, v, p + 1, backend=b)
+            assert torch.equal(row, full[b][:, p:p + 1]), f"{b}: row {p}"
+    assert rel_err(full["sm80"], full["sm90"]) <= 8e-3
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_bad_range_is_flagged_and_raised_on_the_next_call(backend):
+    q, k, v = (x[0] for x in qkv(1, 100, 100, 4, 2, 64, seed=90))
+    good = rl_kernels.attention(q, k, v, cu_seqlens_q=i32([0, 50, 100]),
+                                cu_seqlens_k=i32([0, 50, 100]), max_seqlen_q=50, max_seqlen_k=50,
+                                backend=backend)
+    # the second sequence's keys run past the 100 rows: no host check (max_seqlen given, CUDA
+    # cu_seqlens), the kernels flag it; the call itself returns
+    rl_kernels.attention(q, k, v, cu_seqlens_q=i32([0, 50, 100]), cu_seqlens_k=i32([0, 60, 130]),
+                         max_seqlen_q=50, max_seqlen_k=70, backend=backend)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        rl_kernels.attention(q, k, v, cu_seqlens_q=i32([0, 50, 100]),
+                             cu_seqlens_k=i32([0, 50, 100]), max_seqlen_q=50, max_seqlen_k=50,
+                             backend=backend)
+    # the flag is cleared once raised
+    again = rl_kernels.attention(q, k, v, cu_seqlens_q=i32([0, 50, 100]),
+                                 cu_seqlens_k=i32([0, 50, 100]), max_seqlen_q=50, max_seqlen_k=50,
+                                 backend=backend)
+    assert torch.equal(again, good)
+    # a KV-cache overflow on CUDA is flagged the same way
+    cache = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    new = torch.zeros(1, 3, 2, 64, dtype=torch.bfloat16, device="cuda")
+    rl_kernels.attention_with_kvcache(q[None, :1], cache, cache.clone(), i32([7]), k_new=new,
+                                      v_new=new, backend=backend)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        rl_kernels.attention(q[None], k[None], v[None], backend=backend)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_compile_packed_on_gpu(backend):
+    """With CUDA cu_seqlens and max_seqlen given nothing is read on the host: fullgraph compiles."""
+    def loss(q, k, v, cu):
+        out = rl_kernels.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=700,
+                                   max_seqlen_k=700, backend=backend)
+        return (out.float() ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True, backend="aot_eager")
+    q, k, v = leaves(*(x[0] for x in qkv(1, 1000, 1000, 32, 8, 128, seed=100)))
+    cu = i32([0, 300, 1000])
+    got, want = compiled(q, k, v, cu), loss(q, k, v, cu)
+    assert torch.equal(got, want)
+    assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(got, (q, k, v)),
+                                                 torch.autograd.grad(want, (q, k, v))))
