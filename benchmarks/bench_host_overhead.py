@@ -29,7 +29,7 @@ def main():
         out = torch.empty(8, 8, device=device)
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         env = dict(torch=torch, rl_kernels=rl_kernels, a=a, b=b, out=out, _C=_C)
-        code = _C.BACKEND_CPU if device == "cpu" else _C.BACKEND_SM80
+        code = rl_kernels.kernel_registry.backend_code("cpu" if device == "cpu" else "sm80")
         stream = 0 if device == "cpu" else torch.cuda.current_stream().cuda_stream
         env.update(code=code, stream=stream)
         cases = {

@@ -42,10 +42,12 @@ typedef enum rlk_dtype {
     RLK_BF16 = 1,
     RLK_F16 = 2,
     RLK_F64 = 3, /* CPU reference backend only (gradcheck) */
+    RLK_I32 = 4, /* index tensors: sequence lengths and offsets */
+    RLK_I64 = 5, /* index tensors: targets */
 } rlk_dtype;
 
 static inline size_t rlk_dtype_size(rlk_dtype dtype) {
-    return dtype == RLK_F64 ? 8 : dtype == RLK_F32 ? 4 : 2;
+    return (dtype == RLK_F64 || dtype == RLK_I64) ? 8 : (dtype == RLK_F32 || dtype == RLK_I32) ? 4 : 2;
 }
 
 typedef struct rlk_context {

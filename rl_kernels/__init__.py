@@ -1,4 +1,4 @@
-"""rl_kernels: batch-invariant, deterministic GEMM and fused LM-head log-probs for RL training.
+"""rl_kernels: batch-invariant, deterministic kernels for RL training.
 
 Every op's output rows are bitwise independent of the batch around them (M, position, chunking,
 padding, threads, streams, runs), so a trainer recomputing a rollout's token log-probs gets the same
@@ -8,9 +8,11 @@ bits as the engine that produced them, whatever the batch shapes.
 from . import _C
 from . import kernel_registry
 from .kernel_registry import describe, get_op
-from .ops.det_gemm import DetGemmOp, det_gemm
-from .ops.gemm import AddmmOp, GemmOp, MatmulOp, addmm, gemm, matmul
-from .ops.linear_logp import LinearLogp, LinearLogpOp, linear_logp
+from .modules import AddmmOp, AttentionOp, DetGemmOp, GemmOp, LinearLogp, LinearLogpOp, MatmulOp
+from .ops.attention import attention, attention_with_kvcache
+from .ops.det_gemm import det_gemm
+from .ops.gemm import addmm, gemm, matmul
+from .ops.linear_logp import linear_logp
 from .ops.native import NativeLinearLogpOp, NativeMatmulOp
 
 __version__ = "0.1.0"
@@ -27,7 +29,7 @@ def get_num_threads() -> int:
 
 
 __all__ = [
-    "AddmmOp", "DetGemmOp", "GemmOp", "LinearLogp", "LinearLogpOp", "MatmulOp",
-    "NativeLinearLogpOp", "NativeMatmulOp", "addmm", "describe", "det_gemm", "gemm",
+    "AddmmOp", "AttentionOp", "DetGemmOp", "GemmOp", "LinearLogp", "LinearLogpOp", "MatmulOp",
+    "NativeLinearLogpOp", "NativeMatmulOp", "addmm", "attention", "attention_with_kvcache", "describe", "det_gemm", "gemm",
     "get_num_threads", "get_op", "kernel_registry", "linear_logp", "matmul", "set_num_threads",
 ]

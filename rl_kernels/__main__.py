@@ -92,8 +92,10 @@ def self_check() -> bool:
 
 def main() -> int:
     print(f"rl_kernels {rl_kernels.__version__}")
-    print(f"build: kernels compiled = {', '.join(_C.compiled_kernels())}; "
-          f"CUDA support = {'yes' if _C.WITH_CUDA else 'no (CPU-only build)'}")
+    compiled = sorted({backend for _, backend, _ in _C.kernels()},
+                      key=kernel_registry.BACKENDS.index)
+    print(f"build: backends compiled = {', '.join(compiled)}"
+          f"{'' if kernel_registry.GPU_BACKENDS[0] in compiled else ' (CPU-only build)'}")
     print(f"torch {torch.__version__}; CPU threads {rl_kernels.get_num_threads()}")
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()

@@ -1,139 +1,180 @@
-"""Which backend runs an op: SM90 -> SM80 -> CPU, by what is compiled and what the device is.
+"""Which backend runs an op, from what this build has and what the device is.
 
-A backend is usable for an op when every kernel file it needs is compiled into ``rl_kernels._C``
-and the device fits (sm90: compute capability exactly 9.0, since sm_90a code runs nowhere else;
-sm80: capability >= 8.0; cpu: always). Routing is per call by the inputs' device: CPU tensors go to
-the CPU backend even on a GPU machine. ``RL_KERNELS_BACKEND=cpu|sm80|sm90`` (read at import) or the
-``backend=`` argument force one backend; forcing one that cannot run raises RuntimeError saying why.
+Everything here is read from the extension, which reads csrc/kernels.def: _C.backends() lists the
+backends (device kind, compute-capability range, fallback), _C.kernels() the kernels compiled into
+this build. An op (an nn.Module class in rl_kernels/modules.py) names the kernel entries it needs;
+it is usable on a backend when each entry has a compiled kernel there or along the backend's
+fallback chain, and the device fits (sm90: compute capability exactly 9.0, since sm_90a code runs
+nowhere else; sm80: >= 8.0; cpu: always).
+
+Routing is per call by the inputs' device: CPU tensors go to the CPU backend even on a GPU machine,
+CUDA tensors to the first usable CUDA backend in kernels.def order. ``RL_KERNELS_BACKEND`` (read at
+import; a name that is not a backend raises there) or the ``backend=`` argument force one backend;
+forcing one that cannot run raises RuntimeError saying why. Within a backend, the C launchers decide
+per call which kernel takes the arguments (by dtypes and layouts, never by the row count) and
+follow the fallbacks of kernels.def; ``last_kernel()`` names the kernel that ran.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 
 import torch
 
 from . import _C
 
-BACKENDS = ("sm90", "sm80", "cpu")
-BACKEND_CODES = {"cpu": _C.BACKEND_CPU, "sm80": _C.BACKEND_SM80, "sm90": _C.BACKEND_SM90}
-GPU_BACKENDS = ("sm90", "sm80")
 
-# op name -> (module, class, {backend: kernel files it needs})
-_OPS = {
-    "matmul": ("rl_kernels.ops.gemm", "MatmulOp",
-               {"sm90": ("gemm_sm90",), "sm80": ("gemm_sm80",), "cpu": ()}),
-    "addmm": ("rl_kernels.ops.gemm", "AddmmOp",
-              {"sm90": ("gemm_sm90",), "sm80": ("gemm_sm80",), "cpu": ()}),
-    "gemm": ("rl_kernels.ops.gemm", "GemmOp",
-             {"sm90": ("gemm_sm90",), "sm80": ("gemm_sm80",), "cpu": ()}),
-    "det_gemm": ("rl_kernels.ops.det_gemm", "DetGemmOp",
-                 {"sm90": ("gemm_sm90",), "sm80": ("gemm_sm80",), "cpu": ()}),
-    "linear_logp": ("rl_kernels.ops.linear_logp", "LinearLogpOp",
-                    {"sm90": ("gemm_sm90", "linear_logp_sm80", "gemm_fp32_sm80"),
-                     "sm80": ("linear_logp_sm80", "gemm_sm80", "gemm_fp32_sm80"), "cpu": ()}),
-}
+def _backend_rows():
+    rows = {}
+    for code, (name, device, min_cc, max_cc, fallback) in enumerate(_C.backends()):
+        rows[name] = {"code": code, "device": device, "min_cc": min_cc, "max_cc": max_cc,
+                      "fallback": fallback}
+    return rows
 
-_COMPILED = frozenset(_C.compiled_kernels())
-_ENV_BACKEND = os.environ.get("RL_KERNELS_BACKEND") or None
+
+_BACKENDS = _backend_rows()
+BACKENDS = tuple(_BACKENDS)  # priority order
+GPU_BACKENDS = tuple(b for b in BACKENDS if _BACKENDS[b]["device"] == "cuda")
+_COMPILED = {(entry, backend) for entry, backend, _ in _C.kernels()}
+
+
+def _env_backend():
+    value = os.environ.get("RL_KERNELS_BACKEND")
+    if value is None or value == "":
+        return None
+    if value not in _BACKENDS:
+        raise ValueError(f"RL_KERNELS_BACKEND={value!r} is not a backend; expected one of "
+                         f"{', '.join(BACKENDS)}, or leave it unset")
+    return value
+
+
+_ENV_BACKEND = _env_backend()
+
+
+def backend_code(backend: str) -> int:
+    """The code _C takes for a backend name."""
+    return _BACKENDS[backend]["code"]
+
+
+def last_kernel() -> str:
+    """The kernel that ran the last launch of this thread, e.g. 'gemm_sm90' (or 'gemm_sm80' when
+    sm90 could not take the operands' layout)."""
+    return _C.last_kernel()
+
+
+def _ops():
+    from .modules import OpModule  # the op classes; imported late (they import the op modules)
+    return {cls.op: cls for cls in OpModule.registered()}
 
 
 def known_ops():
-    return sorted(_OPS)
+    return sorted(_ops())
 
 
-def _op_entry(name):
-    if name not in _OPS:
-        raise KeyError(f"unknown op {name!r}; known ops: {', '.join(known_ops())}")
-    return _OPS[name]
+def _op_class(name):
+    ops = _ops()
+    if name not in ops:
+        raise KeyError(f"unknown op {name!r}; known ops: {', '.join(sorted(ops))}")
+    return ops[name]
 
 
-def _check_backend_name(backend):
-    if backend not in BACKENDS:
+def check_backend_name(backend) -> None:
+    if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+
+
+def kernel_chain(entry: str, backend: str) -> list[str]:
+    """The compiled kernels that may run `entry` for `backend`, in the order they are tried."""
+    chain = []
+    while backend is not None:
+        if (entry, backend) in _COMPILED:
+            chain.append(f"{entry}_{backend}")
+        backend = _BACKENDS[backend]["fallback"]
+    return chain
 
 
 @functools.lru_cache(maxsize=None)
 def backend_status(op: str, backend: str, device_index: int | None = None) -> tuple[bool, str]:
     """(usable, why not) for running ``op`` on ``backend`` (on CUDA device ``device_index``)."""
-    _check_backend_name(backend)
-    needs = _op_entry(op)[2]
-    if backend not in needs:
-        return False, f"{op} has no {backend} kernel"
-    missing = [k for k in needs[backend] if k not in _COMPILED]
+    check_backend_name(backend)
+    missing = [entry for entry in _op_class(op).kernels if not kernel_chain(entry, backend)]
     if missing:
-        return False, f"not compiled ({', '.join(missing)} missing from this build)"
-    if backend == "cpu":
+        return False, f"not compiled ({', '.join(f'{e}_{backend}' for e in missing)} missing from this build)"
+    row = _BACKENDS[backend]
+    if row["device"] == "cpu":
         return True, ""
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     index = torch.cuda.current_device() if device_index is None else device_index
     major, minor = torch.cuda.get_device_capability(index)
-    if backend == "sm90" and (major, minor) != (9, 0):
-        return False, f"needs compute capability 9.0 (sm_90a), device has {major}.{minor}"
-    if backend == "sm80" and major < 8:
-        return False, f"needs compute capability >= 8.0, device has {major}.{minor}"
+    cc = 10 * major + minor
+    if cc < row["min_cc"] or (row["max_cc"] and cc > row["max_cc"]):
+        want = (f"{row['min_cc'] // 10}.{row['min_cc'] % 10}" if row["min_cc"] == row["max_cc"]
+                else f">= {row['min_cc'] // 10}.{row['min_cc'] % 10}")
+        return False, f"needs compute capability {want}, device has {major}.{minor}"
     return True, ""
 
 
 @functools.lru_cache(maxsize=None)
 def _resolve(op: str, device_type: str, device_index: int | None, forced: str | None) -> str:
     if forced is not None:
-        _check_backend_name(forced)
-    if device_type == "cpu":
-        if forced not in (None, "cpu"):
-            raise RuntimeError(f"{op}: backend {forced!r} runs on CUDA tensors, got CPU tensors")
-        return "cpu"
-    if device_type != "cuda":
+        check_backend_name(forced)
+    if device_type not in ("cpu", "cuda"):
         raise RuntimeError(f"{op}: tensors on {device_type!r} are not supported (cpu or cuda)")
-    if forced == "cpu":
-        raise RuntimeError(f"{op}: backend 'cpu' runs on CPU tensors, got CUDA tensors")
-    candidates = (forced,) if forced is not None else GPU_BACKENDS
+    if forced is not None and _BACKENDS[forced]["device"] != device_type:
+        raise RuntimeError(f"{op}: backend {forced!r} runs on {_BACKENDS[forced]['device'].upper()} "
+                           f"tensors, got {device_type.upper()} tensors")
+    candidates = (forced,) if forced is not None else tuple(
+        b for b in BACKENDS if _BACKENDS[b]["device"] == device_type)
     reasons = []
     for backend in candidates:
         usable, why = backend_status(op, backend, device_index)
         if usable:
             return backend
         reasons.append(f"{backend}: {why}")
-    raise RuntimeError(f"{op}: no usable backend on cuda:{device_index} ({'; '.join(reasons)})")
+    where = "cpu" if device_type == "cpu" else f"cuda:{device_index}"
+    raise RuntimeError(f"{op}: no usable backend on {where} ({'; '.join(reasons)})")
 
 
 def resolve_backend(op: str, device: torch.device, backend: str | None = None) -> str:
     """The backend that runs ``op`` on tensors of ``device``; ``backend`` (or the environment
     variable RL_KERNELS_BACKEND) forces one."""
-    return _resolve(op, device.type, device.index, backend or _ENV_BACKEND)
+    return _resolve(op, device.type, device.index, backend if backend is not None else _ENV_BACKEND)
 
 
 def get_op(name: str, backend: str | None = None) -> torch.nn.Module:
     """An nn.Module running op ``name``. ``backend`` (or RL_KERNELS_BACKEND) forces cpu, sm80 or
     sm90: checked now, and the module then refuses inputs on a device that backend cannot serve."""
-    module_name, class_name, _ = _op_entry(name)
-    forced = backend or _ENV_BACKEND
+    cls = _op_class(name)
+    forced = backend if backend is not None else _ENV_BACKEND
     if forced is not None:
-        _check_backend_name(forced)
+        check_backend_name(forced)
         usable, why = backend_status(name, forced)
         if not usable:
             raise RuntimeError(f"{name}: backend {forced!r} is not usable: {why}")
-    cls = getattr(importlib.import_module(module_name), class_name)
     return cls(backend=backend)
 
 
 def describe() -> list[dict]:
-    """One row per (op, backend): usable or why not, in priority order."""
+    """One row per (op, backend) in priority order: usable or why not, and the kernels that may run
+    each of the op's entries there (first to last in the fallback chain)."""
     rows = []
     for op in known_ops():
         for backend in BACKENDS:
             usable, why = backend_status(op, backend)
-            rows.append({"op": op, "backend": backend, "usable": usable, "why_not": why})
+            kernels = "; ".join(" > ".join(kernel_chain(entry, backend)) or f"{entry}: none"
+                                for entry in _op_class(op).kernels)
+            rows.append({"op": op, "backend": backend, "usable": usable, "why_not": why,
+                         "kernels": kernels})
     return rows
 
 
 def format_table(rows=None) -> str:
     rows = describe() if rows is None else rows
-    lines = [f"{'op':<12} {'backend':<8} {'usable':<7} why not", "-" * 60]
+    lines = [f"{'op':<12} {'backend':<8} {'usable':<7} {'kernels (first that takes the call runs)':<58} why not",
+             "-" * 100]
     for r in rows:
         lines.append(f"{r['op']:<12} {r['backend']:<8} {'yes' if r['usable'] else 'no':<7} "
-                     f"{r['why_not']}")
+                     f"{r['kernels']:<58} {r['why_not']}")
     return "\n".join(lines)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from rl_kernels import _C
+from rl_kernels import _C, kernel_registry
 
-CPU = _C.BACKEND_CPU
+CPU = kernel_registry.backend_code("cpu")
 
 
 def np_gemm(a, b, c=None, alpha=1.0, beta=0.0, out_dtype=None):
@@ -111,10 +111,13 @@ def _gemm_args(**over):
 BAD_GEMM = [
     ("a is None", dict(a=None), TypeError, "a: expected a tensor"),
     ("a is a list", dict(a=[[1.0]]), TypeError, "a: expected a DLPack capsule"),
-    ("a is int32", dict(a=torch.ones(4, 5, dtype=torch.int32)), TypeError, "a: unsupported dtype"),
+    ("a is int32", dict(a=torch.ones(4, 5, dtype=torch.int32)), TypeError,
+     "a: expected a floating point tensor, got int32"),
+    ("a is uint8", dict(a=torch.ones(4, 5, dtype=torch.uint8)), TypeError, "a: unsupported dtype uint8"),
     ("a is complex", dict(a=torch.ones(4, 5, dtype=torch.complex64)), TypeError, "a: unsupported"),
     ("a is 1-D", dict(a=torch.randn(5)), ValueError, "a: expected a 2-D to 3-D tensor"),
-    ("a is 4-D", dict(a=torch.randn(1, 1, 4, 5)), ValueError, "a: expected at most 3"),
+    ("a is 4-D", dict(a=torch.randn(1, 1, 4, 5)), ValueError, "a: expected a 2-D to 3-D tensor, got 4-D"),
+    ("a is 5-D", dict(a=torch.randn(1, 1, 1, 4, 5)), ValueError, "a: expected at most 4 dimensions"),
     ("b dtype differs", dict(b=torch.randn(5, 3, dtype=torch.float64)), TypeError,
      "b: expected dtype float32"),
     ("K mismatch", dict(b=torch.randn(6, 3)), ValueError, "b: has 6 rows but a has 5"),
@@ -130,7 +133,7 @@ BAD_GEMM = [
      "c: expected dtype float32"),
     ("c wrong rows", dict(c=torch.randn(2, 3), beta=1.0), ValueError, "c: has 2 rows"),
     ("unknown backend", dict(backend=7), ValueError, "backend: unknown backend code 7"),
-    ("GPU backend on CPU tensors", dict(backend=_C.BACKEND_SM80), ValueError,
+    ("GPU backend on CPU tensors", dict(backend=kernel_registry.backend_code("sm80")), ValueError,
      "backend: a CUDA backend cannot run on CPU tensors"),
     ("foreign capsule", dict(a="capsule"), TypeError, "a: capsule named 'not_a_tensor'"),
     ("batched b with 2-D a", dict(b=torch.randn(2, 5, 3)), ValueError, "b: a batched b"),
@@ -170,14 +173,16 @@ def _logp_args(**over):
     n, d, v = 3, 4, 5
     args = dict(hidden=torch.randn(n, d), weight=torch.randn(v, d), bias=None,
                 target=torch.zeros(n, dtype=torch.int64), logp=torch.empty(n),
-                entropy=torch.empty(n), lse=torch.empty(n), workspace=None, flag=0,
+                entropy=torch.empty(n), lse=torch.empty(n), flag=0,
                 inv_t=1.0, ignore=-100, backend=CPU, stream=0)
     args.update(over)
     return tuple(args.values())
 
 
 BAD_LOGP = [
-    ("target float", dict(target=torch.zeros(3)), TypeError, "target: expected an int64"),
+    ("target float", dict(target=torch.zeros(3)), TypeError, "target: expected dtype int64, got float32"),
+    ("target int32", dict(target=torch.zeros(3, dtype=torch.int32)), TypeError,
+     "target: expected dtype int64, got int32"),
     ("target wrong length", dict(target=torch.zeros(4, dtype=torch.int64)), ValueError,
      "target: expected shape"),
     ("target out of range", dict(target=torch.tensor([0, 5, 1])), ValueError,
@@ -207,61 +212,93 @@ def test_bad_linear_logp_inputs(case):
         _C.linear_logp_fwd(*args)
 
 
-def _dlogits_args(**over):
-    rows, cols, d = 3, 5, 4
-    args = dict(logits=torch.randn(rows, cols), target=torch.tensor([0, 4, -100]),
+def _dz_args(**over):
+    """_C.linear_logp_dz: dz of a chunk from fp32 logits (bias not included)."""
+    rows, cols = 3, 5
+    args = dict(logits=torch.randn(rows, cols), bias=None, target=torch.tensor([0, 4, -100]),
                 lse=torch.randn(rows), entropy=torch.rand(rows), grad_logp=torch.randn(rows),
                 grad_entropy=torch.randn(rows), dlogits=torch.empty(rows, cols), v0=0, inv_t=1.0,
-                ignore=-100, stream=0, hidden=None, weight=None, bias=None)
+                ignore=-100, backend=CPU, stream=0)
     args.update(over)
     return tuple(args.values())
 
 
-def _fused(**over):
-    """The fused form: logits None, z from hidden @ weight^T (+ bias), bf16 operands."""
-    base = dict(logits=None, hidden=torch.randn(3, 4).bfloat16(),
-                weight=torch.randn(5, 4).bfloat16(), dlogits=torch.empty(3, 5).bfloat16())
-    base.update(over)
-    return _dlogits_args(**base)
+def _fused_args(**over):
+    """_C.linear_logp_dlogits: the fused form, z from hidden @ weight^T (+ bias), bf16 operands."""
+    rows, cols, d = 3, 5, 4
+    args = dict(hidden=torch.randn(rows, d).bfloat16(), weight=torch.randn(cols, d).bfloat16(),
+                bias=None, target=torch.tensor([0, 4, -100]), lse=torch.randn(rows),
+                entropy=torch.rand(rows), grad_logp=torch.randn(rows), grad_entropy=torch.randn(rows),
+                dlogits=torch.empty(rows, cols).bfloat16(), v0=0, inv_t=1.0, ignore=-100,
+                backend=CPU, stream=0)
+    args.update(over)
+    return tuple(args.values())
 
 
 BAD_DLOGITS = [
-    ("logits wrong dtype", _dlogits_args(logits=torch.randn(3, 5).double()), TypeError, "logits:"),
-    ("dlogits wrong shape", _dlogits_args(dlogits=torch.empty(3, 4)), ValueError, "dlogits: expected"),
-    ("target wrong length", _dlogits_args(target=torch.zeros(2, dtype=torch.int64)), ValueError,
-     "target: expected shape"),
-    ("grad_entropy without entropy", _dlogits_args(entropy=None), ValueError, "entropy: required"),
-    ("fused without hidden", _fused(hidden=None), ValueError, "hidden, weight: required"),
-    ("fused weight D mismatch", _fused(weight=torch.randn(5, 3).bfloat16()), ValueError,
-     "weight: has 3 columns"),
-    ("fused weight dtype", _fused(weight=torch.randn(5, 4).half()), TypeError, "weight:"),
-    ("fused dlogits dtype", _fused(dlogits=torch.empty(3, 5)), TypeError, "dlogits:"),
-    ("fused bias length", _fused(bias=torch.randn(4).bfloat16()), ValueError, "bias: expected"),
+    ("logits wrong dtype", _C.linear_logp_dz, _dz_args(logits=torch.randn(3, 5).double()), TypeError,
+     "logits:"),
+    ("dlogits wrong shape", _C.linear_logp_dz, _dz_args(dlogits=torch.empty(3, 4)), ValueError,
+     "dlogits: expected"),
+    ("target wrong length", _C.linear_logp_dz, _dz_args(target=torch.zeros(2, dtype=torch.int64)),
+     ValueError, "target: expected shape"),
+    ("grad_entropy without entropy", _C.linear_logp_dz, _dz_args(entropy=None), ValueError,
+     "entropy: required"),
+    ("bias wrong length", _C.linear_logp_dz, _dz_args(bias=torch.randn(4)), ValueError, "bias: expected"),
+    ("fused without hidden", _C.linear_logp_dlogits, _fused_args(hidden=None), TypeError,
+     "hidden: expected a tensor"),
+    ("fused weight D mismatch", _C.linear_logp_dlogits, _fused_args(weight=torch.randn(5, 3).bfloat16()),
+     ValueError, "weight: has 3 columns"),
+    ("fused weight dtype", _C.linear_logp_dlogits, _fused_args(weight=torch.randn(5, 4).half()), TypeError,
+     "weight:"),
+    ("fused dlogits dtype", _C.linear_logp_dlogits, _fused_args(dlogits=torch.empty(3, 5)), TypeError,
+     "dlogits:"),
+    ("fused bias length", _C.linear_logp_dlogits, _fused_args(bias=torch.randn(4).bfloat16()), ValueError,
+     "bias: expected"),
 ]
 
 
 @pytest.mark.parametrize("case", BAD_DLOGITS, ids=[c[0] for c in BAD_DLOGITS])
 def test_bad_dlogits_inputs(case):
-    _, args, exc, message = case
+    _, entry, args, exc, message = case
     with pytest.raises(exc, match=message):
-        _C.linear_logp_dlogits(*args)
+        entry(*args)
 
 
-def test_dlogits_forms_on_cpu():
-    """The plain form computes dz (True); the fused form has no CPU kernel and answers False
-    without touching dlogits, so the caller falls back to logits + the plain form."""
-    args = _dlogits_args()
-    assert _C.linear_logp_dlogits(*args) is True
-    logits, target, lse, ent, g_logp, g_ent, dz = args[:7]
-    p = torch.exp(logits - lse[:, None])
+def test_dz_forms_on_cpu():
+    """The plain form computes dz (with the bias added to the logits); the fused form has no CPU
+    kernel: the call says so and leaves dlogits untouched (the backward then takes a GEMM into fp32
+    logits and the plain form)."""
+    bias = torch.randn(5)
+    args = _dz_args(bias=bias)
+    _C.linear_logp_dz(*args)
+    assert kernel_registry.last_kernel() == "linear_logp_dz_cpu"
+    logits, _, target, lse, ent, g_logp, g_ent, dz = args[:8]
+    z = logits + bias
+    p = torch.exp(z - lse[:, None])
     onehot = torch.nn.functional.one_hot(target.clamp_min(0), 5).float()
-    ref = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (logits - lse[:, None] + ent[:, None])
+    ref = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (z - lse[:, None] + ent[:, None])
     ref[2] = 0  # ignore_index row
     torch.testing.assert_close(dz, ref, rtol=1e-5, atol=1e-6)
-    fused = _fused()
-    before = fused[6].clone()
-    assert _C.linear_logp_dlogits(*fused) is False
-    assert torch.equal(fused[6].view(torch.int16), before.view(torch.int16))
+    fused = _fused_args()
+    before = fused[8].clone()
+    with pytest.raises(RuntimeError, match="linear_logp_dlogits: no compiled kernel supports"):
+        _C.linear_logp_dlogits(*fused)
+    assert torch.equal(fused[8].view(torch.int16), before.view(torch.int16))
+
+
+def test_backends_and_kernels_come_from_the_kernel_list():
+    """_C.backends() and _C.kernels() are csrc/kernels.def: every KERNEL row whose backend this
+    build compiled, and nothing else."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "csrc" / "kernels.def").read_text()
+    rows = re.findall(r'^KERNEL\((\w+),\s*(\w+),\s*"([^"]+)"\)', text, re.M)
+    backends = [name for name, *_ in _C.backends()]
+    assert backends == re.findall(r"^BACKEND\((\w+),", text, re.M)
+    compiled = {backend for _, backend, _ in _C.kernels()}
+    assert "cpu" in compiled
+    assert set(_C.kernels()) == {r for r in rows if r[1] in compiled}
 
 
 def test_gil_released_during_cpu_kernel():

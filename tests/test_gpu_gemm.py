@@ -121,9 +121,37 @@ def test_layouts_and_misaligned_operands(backend):
     if backend == "sm80":  # same kernel, predicated loads: the same bits
         assert torch.equal(out, ref)
     else:  # an odd row stride is beyond TMA: the sm80 kernel serves it, for every M alike
+        assert kernel_registry.last_kernel() == "gemm_sm80"
         assert rel_err(out, ref) <= 1e-6
         assert torch.equal(rl_kernels.det_gemm(shifted[9:10], w.t(), out_dtype=torch.float32,
                                                backend=backend), out[9:10])
+        assert kernel_registry.last_kernel() == "gemm_sm80"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("offset", [1, 3, 7])
+def test_operand_base_alignment_changes_neither_kernel_nor_bits(backend, offset):
+    """A and B starting `offset` elements past a 16-byte boundary, with row strides TMA can describe:
+    the same kernel runs (sm90 shifts its TMA coordinates) and every bit equals the aligned call."""
+    a = cuda_randn(300, 1024, seed=27)
+    w = cuda_randn(512, 1024, seed=28, scale=1 / 32)
+    ref = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    kernel = kernel_registry.last_kernel()
+    a_buf = torch.empty(300 * 1024 + offset, dtype=torch.bfloat16, device="cuda")
+    w_buf = torch.empty(512 * 1024 + offset, dtype=torch.bfloat16, device="cuda")
+    a_off, w_off = a_buf[offset:].view(300, 1024), w_buf[offset:].view(512, 1024)
+    a_off.copy_(a)
+    w_off.copy_(w)
+    assert a_off.data_ptr() % 16 != 0
+    for x, y in ((a_off, w), (a, w_off), (a_off, w_off), (a_off.t().contiguous().t(), w_off)):
+        assert torch.equal(rl_kernels.det_gemm(x, y.t(), backend=backend), ref)
+        assert kernel_registry.last_kernel() == kernel
+    b_row_major = w.t().contiguous()
+    b_buf = torch.empty(1024 * 512 + offset, dtype=torch.bfloat16, device="cuda")
+    b_off = b_buf[offset:].view(1024, 512)
+    b_off.copy_(b_row_major)
+    assert torch.equal(rl_kernels.det_gemm(a_off, b_off, backend=backend),
+                       rl_kernels.det_gemm(a, b_row_major, backend=backend))
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

@@ -8,7 +8,6 @@ import torch
 
 import rl_kernels
 from rl_kernels import _C, kernel_registry
-from rl_kernels.ops.gemm import _gemm_out_impl
 from conftest import HAS_CUDA, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -74,6 +73,28 @@ def test_rows_bitwise_invariant_at_qwen3_head(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_unaligned_hidden_base_gives_the_same_bits(backend):
+    """hidden rows starting 2 bytes past a 16-byte boundary (row stride still a multiple of 16 bytes):
+    the same kernel and the same bits, forward and backward."""
+    h, w, b, t = problem(300, 256, 9000, seed=80, bias=True)
+    buf = torch.empty(300 * 256 + 1, dtype=torch.bfloat16, device="cuda")
+    h_off = buf[1:].view(300, 256)
+    h_off.copy_(h)
+    ref, ref_ent = rl_kernels.linear_logp(h, w, t, b, return_entropy=True, backend=backend)
+    kernel = kernel_registry.last_kernel()
+    out, out_ent = rl_kernels.linear_logp(h_off, w, t, b, return_entropy=True, backend=backend)
+    assert kernel_registry.last_kernel() == kernel
+    assert torch.equal(out, ref) and torch.equal(out_ent, ref_ent)
+    g = cuda_randn(300, dtype=torch.float32, seed=81)
+    grads = []
+    for x in (h, h_off):
+        x = x.detach().clone() if x is h else x.detach()
+        x.requires_grad_()
+        grads.append(torch.autograd.grad(rl_kernels.linear_logp(x, w, t, b, backend=backend), x, g)[0])
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_ignore_index_and_bad_target_flag_without_sync(backend):
     h, w, _, t = problem(64, 128, 3000, seed=20)
     t[5] = -100
@@ -120,7 +141,7 @@ def test_backward_vs_fp64_and_deterministic(backend):
                                             (129, 4096, False)])
 def test_fused_dlogits_equal_gemm_then_dlogits(rows, cols, bias, dtype):
     """The backward's fused SM90 dz (z in registers) gives the bits of the two-step path: the SM90
-    GEMM into fp32 logits (+ bias), then the elementwise dlogits kernel. Covers a target inside and
+    GEMM into fp32 logits, then the elementwise dz kernel adding the bias. Covers a target inside and
     outside the chunk, an ignored row, temperature, the register-store tail (cols = 385)."""
     v0, d, inv_t = 64, 256, 1 / 0.7
     h, w, b, t = problem(rows, d, v0 + cols, seed=70, bias=bias)
@@ -134,14 +155,17 @@ def test_fused_dlogits_equal_gemm_then_dlogits(rows, cols, bias, dtype):
     g_logp = cuda_randn(rows, dtype=torch.float32, seed=72)
     g_ent = cuda_randn(rows, dtype=torch.float32, seed=73)
     stream = torch.cuda.current_stream().cuda_stream
+    sm90 = kernel_registry.backend_code("sm90")
     fused = torch.empty(rows, cols, dtype=dtype, device="cuda")
-    assert _C.linear_logp_dlogits(None, t, lse, ent, g_logp, g_ent, fused, v0, inv_t, -100, stream,
-                                  h, w_chunk, b_chunk)
-    logits = torch.empty(rows, cols, dtype=torch.float32, device="cuda")
-    _gemm_out_impl(h, w_chunk.t(), None if b_chunk is None else b_chunk.float(), 1.0, 1.0, "sm90",
-                   logits)
+    _C.linear_logp_dlogits(h, w_chunk, b_chunk, t, lse, ent, g_logp, g_ent, fused, v0, inv_t, -100,
+                           sm90, stream)
+    assert kernel_registry.last_kernel() == "linear_logp_dlogits_sm90"
+    logits = rl_kernels.det_gemm(h, w_chunk.t(), out_dtype=torch.float32, backend="sm90")
+    assert kernel_registry.last_kernel() == "gemm_sm90"
     two_step = torch.empty_like(fused)
-    _C.linear_logp_dlogits(logits, t, lse, ent, g_logp, g_ent, two_step, v0, inv_t, -100, stream)
+    _C.linear_logp_dz(logits, b_chunk, t, lse, ent, g_logp, g_ent, two_step, v0, inv_t, -100, sm90,
+                      stream)
+    assert kernel_registry.last_kernel() == "linear_logp_dz_sm80"  # sm90 has no elementwise dz
     assert torch.equal(fused, two_step)
     assert torch.equal(fused[0], torch.zeros_like(fused[0]))
     # and against fp64 (the dz formula of rl_kernels.h)

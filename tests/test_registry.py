@@ -54,9 +54,25 @@ def test_cpu_tensors_route_to_cpu_backend():
     assert kernel_registry.resolve_backend("matmul", torch.device("cpu")) == "cpu"
 
 
+def test_last_kernel_names_what_ran():
+    rl_kernels.matmul(randn(3, 4), randn(4, 5))
+    assert kernel_registry.last_kernel() == "gemm_cpu"
+    h, w = randn(3, 8), randn(10, 8)
+    rl_kernels.linear_logp(h, w, torch.tensor([1, 2, 3]))
+    assert kernel_registry.last_kernel() == "linear_logp_fwd_cpu"
+
+
+def test_describe_lists_the_kernel_chain_of_each_backend():
+    rows = {(r["op"], r["backend"]): r for r in kernel_registry.describe()}
+    assert rows[("det_gemm", "cpu")]["kernels"] == "gemm_cpu"
+    compiled = {(e, b) for e, b, _ in _C.kernels()}
+    if ("gemm", "sm90") in compiled:  # sm90 falls back to sm80 for layouts TMA cannot take
+        assert rows[("det_gemm", "sm90")]["kernels"] == "gemm_sm90 > gemm_sm80"
+
+
 def test_sm90_requires_exact_capability_and_compilation():
     usable, why = kernel_registry.backend_status("det_gemm", "sm90")
-    if "gemm_sm90" not in _C.compiled_kernels():
+    if ("gemm", "sm90") not in {(e, b) for e, b, _ in _C.kernels()}:
         assert not usable and "not compiled" in why
     elif not HAS_CUDA:
         assert not usable and why == "no CUDA device"
@@ -79,9 +95,13 @@ def test_env_var_forces_backend():
                       "rl_kernels.matmul(torch.ones(2, 2), torch.ones(2, 2))",
                       RL_KERNELS_BACKEND="sm90")
     assert bad.returncode != 0 and "RuntimeError" in bad.stderr and "sm90" in bad.stderr
-    unknown = _run_python("import rl_kernels; rl_kernels.get_op('matmul')",
-                          RL_KERNELS_BACKEND="quantum")
-    assert unknown.returncode != 0 and "unknown backend 'quantum'" in unknown.stderr
+    for typo in ("quantum", "CPU", "cpu "):  # refused at import, naming the variable
+        unknown = _run_python("import rl_kernels", RL_KERNELS_BACKEND=typo)
+        assert unknown.returncode != 0, typo
+        assert f"RL_KERNELS_BACKEND={typo!r} is not a backend" in unknown.stderr, unknown.stderr
+    self_check = subprocess.run([sys.executable, "-m", "rl_kernels"], capture_output=True, text=True,
+                                env=dict(os.environ, RL_KERNELS_BACKEND="bogus"), timeout=300)
+    assert self_check.returncode != 0 and "PASS" not in self_check.stdout
 
 
 def test_self_check_command_passes():

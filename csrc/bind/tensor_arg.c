@@ -14,18 +14,10 @@ const char *rlk_dtype_name(rlk_dtype dtype) {
     case RLK_BF16: return "bfloat16";
     case RLK_F16: return "float16";
     case RLK_F64: return "float64";
+    case RLK_I32: return "int32";
+    case RLK_I64: return "int64";
     }
     return "unknown";
-}
-
-size_t rlk_dtype_size(rlk_dtype dtype) {
-    switch (dtype) {
-    case RLK_F32: return 4;
-    case RLK_BF16: return 2;
-    case RLK_F16: return 2;
-    case RLK_F64: return 8;
-    }
-    return 0;
 }
 
 /* A small cache of exchange tables by type: calls see torch.Tensor and nn.Parameter mostly. */
@@ -72,16 +64,20 @@ static int fill_from_dltensor(tensor_arg *t, const DLTensor *dl) {
         return -1;
     }
     const int code = dl->dtype.code, bits = dl->dtype.bits;
-    t->is_index = 0;
     if (code == kDLFloat && bits == 32) t->dtype = RLK_F32;
     else if (code == kDLBfloat && bits == 16) t->dtype = RLK_BF16;
     else if (code == kDLFloat && bits == 16) t->dtype = RLK_F16;
     else if (code == kDLFloat && bits == 64) t->dtype = RLK_F64;
-    else if (code == kDLInt && bits == 64) t->is_index = 1;
+    else if (code == kDLInt && bits == 32) t->dtype = RLK_I32;
+    else if (code == kDLInt && bits == 64) t->dtype = RLK_I64;
     else {
+        static const char *const kinds[] = {"int", "uint", "float", "opaque handle", "bfloat",
+                                            "complex", "bool"};
+        const char *kind = code >= 0 && code < (int)(sizeof kinds / sizeof kinds[0]) ? kinds[code]
+                                                                                    : "unknown";
         PyErr_Format(PyExc_TypeError,
-                     "%s: unsupported dtype (DLPack code %d, %d bits); expected float32, bfloat16, "
-                     "float16, float64 or int64", t->name, code, bits);
+                     "%s: unsupported dtype %s%d; expected float32, bfloat16, float16, float64, "
+                     "int32 or int64", t->name, kind, bits);
         return -1;
     }
     t->elem_size = bits / 8;
@@ -162,6 +158,19 @@ static PyObject *call_dunder_dlpack(PyObject *obj) {
     return capsule;
 }
 
+/* Replaces the pending exception with a TypeError "<name>: <what>: <original message>". */
+static void reraise_with_name(const char *name, const char *what) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *msg = value ? PyObject_Str(value) : NULL;
+    PyErr_Format(PyExc_TypeError, "%s: %s: %s", name, what,
+                 msg ? PyUnicode_AsUTF8(msg) : "unknown error");
+    Py_XDECREF(msg);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
 int tensor_arg_parse(PyObject *obj, const char *name, int optional, tensor_arg *t) {
     memset(t, 0, sizeof(*t));
     t->name = name;
@@ -177,16 +186,7 @@ int tensor_arg_parse(PyObject *obj, const char *name, int optional, tensor_arg *
     if (api != NULL) {
         DLTensor view;
         if (api->dltensor_from_py_object_no_sync(obj, &view) != 0) {
-            /* Re-raise with the argument name, keeping the producer's message. */
-            PyObject *type, *value, *traceback;
-            PyErr_Fetch(&type, &value, &traceback);
-            PyObject *msg = value ? PyObject_Str(value) : NULL;
-            PyErr_Format(PyExc_TypeError, "%s: cannot be exported through DLPack: %s", name,
-                         msg ? PyUnicode_AsUTF8(msg) : "unknown error");
-            Py_XDECREF(msg);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(traceback);
+            reraise_with_name(name, "cannot be exported through DLPack");
             return -1;
         }
         t->api = api;
@@ -199,7 +199,10 @@ int tensor_arg_parse(PyObject *obj, const char *name, int optional, tensor_arg *
         return -1;
     }
     PyObject *capsule = call_dunder_dlpack(obj);
-    if (capsule == NULL) return -1;
+    if (capsule == NULL) {
+        reraise_with_name(name, "cannot be exported through DLPack");
+        return -1;
+    }
     t->owned_capsule = capsule;
     if (!PyCapsule_CheckExact(capsule)) {
         PyErr_Format(PyExc_TypeError, "%s: __dlpack__ did not return a capsule", name);
@@ -209,22 +212,23 @@ int tensor_arg_parse(PyObject *obj, const char *name, int optional, tensor_arg *
 }
 
 static void set_allocation_error(void *context, const char *kind, const char *message) {
-    (void)context;
-    PyErr_Format(PyExc_RuntimeError, "out: allocation failed (%s): %s", kind, message);
+    PyErr_Format(PyExc_RuntimeError, "%s: allocation failed (%s): %s", (const char *)context, kind,
+                 message);
 }
 
-PyObject *tensor_arg_new_like(const tensor_arg *ref, int ndim, const int64_t *shape,
-                              rlk_dtype dtype) {
+PyObject *tensor_arg_new_like(const tensor_arg *ref, const char *what, int ndim,
+                              const int64_t *shape, rlk_dtype dtype) {
     if (ref->api == NULL || ref->api->managed_tensor_allocator == NULL ||
         ref->api->managed_tensor_to_py_object_no_sync == NULL) {
         PyErr_Format(PyExc_TypeError,
-                     "out: None needs %s to come from a framework with a DLPack exchange table "
-                     "(torch >= 2.10); pass an output tensor instead", ref->name);
+                     "%s needs %s to come from a framework with a DLPack exchange table "
+                     "(torch >= 2.10)", what, ref->name);
         return NULL;
     }
     static const DLDataType codes[] = {
         [RLK_F32] = {kDLFloat, 32, 1}, [RLK_BF16] = {kDLBfloat, 16, 1},
-        [RLK_F16] = {kDLFloat, 16, 1}, [RLK_F64] = {kDLFloat, 64, 1}};
+        [RLK_F16] = {kDLFloat, 16, 1}, [RLK_F64] = {kDLFloat, 64, 1},
+        [RLK_I32] = {kDLInt, 32, 1},   [RLK_I64] = {kDLInt, 64, 1}};
     DLTensor prototype;
     memset(&prototype, 0, sizeof(prototype));
     prototype.device = ref->device;
@@ -232,7 +236,7 @@ PyObject *tensor_arg_new_like(const tensor_arg *ref, int ndim, const int64_t *sh
     prototype.dtype = codes[dtype];
     prototype.shape = (int64_t *)shape;
     DLManagedTensorVersioned *managed = NULL;
-    if (ref->api->managed_tensor_allocator(&prototype, &managed, NULL, set_allocation_error) != 0)
+    if (ref->api->managed_tensor_allocator(&prototype, &managed, (void *)what, set_allocation_error) != 0)
         return NULL;
     void *object = NULL;
     if (ref->api->managed_tensor_to_py_object_no_sync(managed, &object) != 0) return NULL;
@@ -262,15 +266,16 @@ int tensor_arg_check_ndim(const tensor_arg *t, int min_ndim, int max_ndim) {
 }
 
 int tensor_arg_check_float(const tensor_arg *t) {
-    if (!t->is_index) return 0;
-    PyErr_Format(PyExc_TypeError, "%s: expected a floating point tensor, got int64", t->name);
+    if (t->dtype != RLK_I32 && t->dtype != RLK_I64) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: expected a floating point tensor, got %s", t->name,
+                 rlk_dtype_name(t->dtype));
     return -1;
 }
 
 int tensor_arg_check_dtype(const tensor_arg *t, rlk_dtype dtype) {
-    if (!t->is_index && t->dtype == dtype) return 0;
+    if (t->dtype == dtype) return 0;
     PyErr_Format(PyExc_TypeError, "%s: expected dtype %s, got %s", t->name, rlk_dtype_name(dtype),
-                 t->is_index ? "int64" : rlk_dtype_name(t->dtype));
+                 rlk_dtype_name(t->dtype));
     return -1;
 }
 

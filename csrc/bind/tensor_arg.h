@@ -16,9 +16,9 @@
 #include <Python.h>
 #include <ATen/dlpack.h>
 
-#include "rl_kernels.h"
+#include "../rlk.h"
 
-#define RLK_MAX_NDIM 3
+#define RLK_MAX_NDIM 4
 
 typedef struct tensor_arg {
     const char *name;     /* the argument name used in error messages */
@@ -27,8 +27,7 @@ typedef struct tensor_arg {
     int ndim;
     int64_t shape[RLK_MAX_NDIM];
     int64_t strides[RLK_MAX_NDIM]; /* in elements, filled in for compact tensors too */
-    rlk_dtype dtype;      /* valid when is_index is 0 */
-    int is_index;         /* int64 tensor (targets) */
+    rlk_dtype dtype;
     int elem_size;
     DLDevice device;
     int read_only;
@@ -44,9 +43,10 @@ int tensor_arg_parse(PyObject *obj, const char *name, int optional, tensor_arg *
 void tensor_arg_release(tensor_arg *t);
 
 /* A new, uninitialized tensor of the framework that produced ref (through its exchange table's
- * allocator), on ref's device. Returns a new reference, or NULL with an exception set. */
-PyObject *tensor_arg_new_like(const tensor_arg *ref, int ndim, const int64_t *shape,
-                              rlk_dtype dtype);
+ * allocator), on ref's device; `what` names it in errors. Returns a new reference, or NULL with an
+ * exception set. */
+PyObject *tensor_arg_new_like(const tensor_arg *ref, const char *what, int ndim,
+                              const int64_t *shape, rlk_dtype dtype);
 
 /* Checks on a parsed argument; each returns 0, or -1 with an exception naming the argument. */
 int tensor_arg_check_ndim(const tensor_arg *t, int min_ndim, int max_ndim);
@@ -65,6 +65,5 @@ int tensor_arg_check_no_overlap(const tensor_arg *out, const tensor_arg *in);
 int tensor_arg_matrix_layout(const tensor_arg *t, int64_t *ld, int *trans);
 
 const char *rlk_dtype_name(rlk_dtype dtype);
-size_t rlk_dtype_size(rlk_dtype dtype);
 
 #endif /* RLK_TENSOR_ARG_H_ */

@@ -1,4 +1,4 @@
-/* gemm_cpu.c: reference CPU GEMM, out[i, j] = alpha * sum_k A[i, k] * B[k, j] + beta * C[i, j],
+/* gemm.c: reference CPU GEMM (contract: csrc/ops/gemm.h), out[i, j] = alpha * sum_k A[i, k] * B[k, j] + beta * C[i, j],
  * for fp32 / bf16 / fp16 inputs (fp32 accumulation) and fp64 inputs (fp64 accumulation, gradcheck).
  *
  * Tile plan (fp32 / bf16 / fp16, GotoBLAS style): the output is cut into MC x NC macro tiles that
@@ -16,7 +16,7 @@
  * same micro-kernel, and fma is exactly rounded, so the AVX2 and portable micro-kernels (and libm's
  * fmaf) agree bit for bit. Threads split output tiles only, never K.
  *
- * Build: gcc -O3 -std=c11 -fopenmp -ffp-contract=off -fPIC -shared -I csrc csrc/cpu/gemm_cpu.c
+ * Build: gcc -O3 -std=c11 -fopenmp -ffp-contract=off -fPIC -shared -I csrc csrc/cpu/gemm.c
  *        (-DRLK_CPU_PORTABLE_ONLY drops the AVX2 micro-kernel; results are identical)
  * Test:  pip install --no-build-isolation -e . && pytest tests/test_gemm.py tests/test_invariance.py
  *        tests/test_binding.py (fp64 references, bitwise row invariance, 1 vs 2 threads).
@@ -25,8 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "rl_kernels.h"
-#include "half_convert.h"
+#include "../ops/gemm.h"
+#include "common.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(RLK_CPU_PORTABLE_ONLY)
 #define RLK_HAVE_AVX2_KERNEL 1
@@ -43,39 +43,7 @@ enum {
     NC64 = 64,
 };
 
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-/* dst[q * dst_stride] = src[index + q] converted to fp32, q = 0..n-1. Packing always reads along
- * the operand's contiguous direction, so the source side is unit stride. */
-static inline void load_f32(float *dst, int64_t dst_stride, const void *src, rlk_dtype dtype,
-                            int64_t index, int64_t n)
-{
-    if (dtype == RLK_F32) {
-        const float *s = (const float *)src + index;
-        for (int64_t q = 0; q < n; q++) dst[q * dst_stride] = s[q];
-    } else if (dtype == RLK_BF16) {
-        const uint16_t *s = (const uint16_t *)src + index;
-        for (int64_t q = 0; q < n; q++) dst[q * dst_stride] = rlk_bf16_to_f32(s[q]);
-    } else {
-        const uint16_t *s = (const uint16_t *)src + index;
-        for (int64_t q = 0; q < n; q++) dst[q * dst_stride] = rlk_f16_to_f32(s[q]);
-    }
-}
-
-/* dst[index + q] = src[q] rounded to dtype (fp32, bf16 or fp16), q = 0..n-1 */
-static void store_row_f32(void *dst, rlk_dtype dtype, int64_t index, const float *src, int64_t n)
-{
-    if (dtype == RLK_F32) {
-        memcpy((float *)dst + index, src, (size_t)n * sizeof(float));
-    } else if (dtype == RLK_BF16) {
-        uint16_t *d = (uint16_t *)dst + index;
-        for (int64_t q = 0; q < n; q++) d[q] = rlk_f32_to_bf16(src[q]);
-    } else {
-        uint16_t *d = (uint16_t *)dst + index;
-        for (int64_t q = 0; q < n; q++) d[q] = rlk_f32_to_f16(src[q]);
-    }
-}
 
 /* Packs rows [i0, i0 + mc) x K [k0, k0 + kc) of A as MR-row micro-panels: panel p holds
  * apack[p * MR * kc + k * MR + r]; rows past M are zero. */
@@ -84,14 +52,14 @@ static void pack_a(float *apack, const rlk_gemm_args *g, int64_t i0, int64_t mc,
     const int64_t row_stride = g->a_trans ? 1 : g->lda, k_stride = g->a_trans ? g->lda : 1;
     for (int64_t p = 0; p < mc; p += MR) {
         float *panel = apack + p * kc;
-        const int64_t rows = min64(MR, mc - p);
+        const int64_t rows = rlk_min64(MR, mc - p);
         const int64_t first = (i0 + p) * row_stride + k0 * k_stride;
         if (g->a_trans) {
             for (int64_t k = 0; k < kc; k++)
-                load_f32(panel + k * MR, 1, g->a, g->in_dtype, first + k * k_stride, rows);
+                rlk_load_row_f32(panel + k * MR, 1, g->a, g->in_dtype, first + k * k_stride, rows);
         } else {
             for (int64_t r = 0; r < rows; r++)
-                load_f32(panel + r, MR, g->a, g->in_dtype, first + r * row_stride, kc);
+                rlk_load_row_f32(panel + r, MR, g->a, g->in_dtype, first + r * row_stride, kc);
         }
         for (int64_t r = rows; r < MR; r++)
             for (int64_t k = 0; k < kc; k++) panel[k * MR + r] = 0.0f;
@@ -105,14 +73,14 @@ static void pack_b(float *bpack, const rlk_gemm_args *g, int64_t k0, int64_t kc,
     const int64_t k_stride = g->b_trans ? 1 : g->ldb, col_stride = g->b_trans ? g->ldb : 1;
     for (int64_t q = 0; q < nc; q += NR) {
         float *panel = bpack + q * kc;
-        const int64_t cols = min64(NR, nc - q);
+        const int64_t cols = rlk_min64(NR, nc - q);
         const int64_t first = k0 * k_stride + (j0 + q) * col_stride;
         if (g->b_trans) {
             for (int64_t c = 0; c < cols; c++)
-                load_f32(panel + c, NR, g->b, g->in_dtype, first + c * col_stride, kc);
+                rlk_load_row_f32(panel + c, NR, g->b, g->in_dtype, first + c * col_stride, kc);
         } else {
             for (int64_t k = 0; k < kc; k++)
-                load_f32(panel + k * NR, 1, g->b, g->in_dtype, first + k * k_stride, cols);
+                rlk_load_row_f32(panel + k * NR, 1, g->b, g->in_dtype, first + k * k_stride, cols);
         }
         for (int64_t k = 0; k < kc; k++)
             for (int64_t c = cols; c < NR; c++) panel[k * NR + c] = 0.0f;
@@ -195,11 +163,11 @@ static void gemm_tile_f32(const rlk_gemm_args *g, micro_kernel_fn micro_kernel, 
                           int64_t j0, float *work)
 {
     float *apack = work, *bpack = apack + MC * KC, *acc = bpack + KC * NC, *c_row = acc + MC * NC;
-    const int64_t mc = min64(MC, g->M - i0), nc = min64(NC, g->N - j0);
+    const int64_t mc = rlk_min64(MC, g->M - i0), nc = rlk_min64(NC, g->N - j0);
     const int64_t mc_padded = round_up(mc, MR), nc_padded = round_up(nc, NR);
     if (g->K == 0) memset(acc, 0, sizeof(float) * MC * NC);
     for (int64_t k0 = 0; k0 < g->K; k0 += KC) {
-        const int64_t kc = min64(KC, g->K - k0);
+        const int64_t kc = rlk_min64(KC, g->K - k0);
         pack_b(bpack, g, k0, kc, j0, nc);
         pack_a(apack, g, i0, mc, k0, kc);
         for (int64_t jr = 0; jr < nc_padded; jr += NR)
@@ -209,12 +177,12 @@ static void gemm_tile_f32(const rlk_gemm_args *g, micro_kernel_fn micro_kernel, 
     for (int64_t i = 0; i < mc; i++) {
         float *acc_row = acc + i * NC;
         if (g->c) {
-            load_f32(c_row, 1, g->c, g->out_dtype, (i0 + i) * g->ldc + j0, nc);
+            rlk_load_row_f32(c_row, 1, g->c, g->out_dtype, (i0 + i) * g->ldc + j0, nc);
             for (int64_t j = 0; j < nc; j++) acc_row[j] = fmaf(g->beta, c_row[j], g->alpha * acc_row[j]);
         } else {
             for (int64_t j = 0; j < nc; j++) acc_row[j] = g->alpha * acc_row[j];
         }
-        store_row_f32(g->out, g->out_dtype, (i0 + i) * g->ldo + j0, acc_row, nc);
+        rlk_store_row_f32(g->out, g->out_dtype, (i0 + i) * g->ldo + j0, acc_row, nc);
     }
 }
 
@@ -223,12 +191,12 @@ static void gemm_tile_f64(const rlk_gemm_args *g, int64_t i0, int64_t j0, double
 {
     double *bpack = work, *acc = bpack + KC * NC64;
     const double *a = (const double *)g->a, *b = (const double *)g->b;
-    const int64_t mc = min64(MC64, g->M - i0), nc = min64(NC64, g->N - j0);
+    const int64_t mc = rlk_min64(MC64, g->M - i0), nc = rlk_min64(NC64, g->N - j0);
     const int64_t a_row_stride = g->a_trans ? 1 : g->lda, a_k_stride = g->a_trans ? g->lda : 1;
     const int64_t b_k_stride = g->b_trans ? 1 : g->ldb, b_col_stride = g->b_trans ? g->ldb : 1;
     memset(acc, 0, sizeof(double) * MC64 * NC64);
     for (int64_t k0 = 0; k0 < g->K; k0 += KC) {
-        const int64_t kc = min64(KC, g->K - k0);
+        const int64_t kc = rlk_min64(KC, g->K - k0);
         for (int64_t k = 0; k < kc; k++)
             for (int64_t j = 0; j < nc; j++)
                 bpack[k * NC64 + j] = b[(k0 + k) * b_k_stride + (j0 + j) * b_col_stride];
@@ -255,8 +223,11 @@ static void gemm_tile_f64(const rlk_gemm_args *g, int64_t i0, int64_t j0, double
     }
 }
 
-int rlk_gemm_cpu(const rlk_gemm_args *args, int num_threads)
+int rlk_gemm_cpu(const rlk_gemm_args *args, rlk_context *ctx)
 {
+    if (args->in_dtype == RLK_I32 || args->in_dtype == RLK_I64) return RLK_UNSUPPORTED;
+    ctx->kernel = "gemm_cpu";
+    if (ctx->plan_only) return RLK_OK;
     const int is_f64 = args->in_dtype == RLK_F64;
     const int64_t tile_m = is_f64 ? MC64 : MC, tile_n = is_f64 ? NC64 : NC;
     const int64_t tiles_n = (args->N + tile_n - 1) / tile_n;
@@ -264,7 +235,7 @@ int rlk_gemm_cpu(const rlk_gemm_args *args, int num_threads)
     const size_t work_bytes = is_f64 ? sizeof(double) * (KC * NC64 + MC64 * NC64)
                                      : sizeof(float) * ((size_t)MC * KC + KC * NC + MC * NC + NC);
     const micro_kernel_fn micro_kernel = select_micro_kernel();
-    const int threads = (int)min64(num_threads > 0 ? num_threads : 1, tiles);
+    const int threads = (int)rlk_min64(ctx->num_threads > 0 ? ctx->num_threads : 1, tiles);
     int out_of_memory = 0;
 
 #pragma omp parallel num_threads(threads)

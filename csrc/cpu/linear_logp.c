@@ -1,8 +1,10 @@
-/* linear_logp_cpu.c: reference CPU fused LM-head log-probs (forward) and its elementwise backward.
+/* linear_logp.c: reference CPU fused LM-head log-probs (forward) and the backward's elementwise dz
+ * (contract: csrc/ops/linear_logp.h).
  *
  * Forward, per row n: z_v = hidden[n] . weight[v] + bias[v], s_v = z_v * inv_temperature,
  *   lse = log sum_v exp(s_v),  logp = s_target - lse,  entropy = lse - sum_v p_v s_v.
- * Backward (dlogits): d_z from saved lse / entropy, elementwise, see rl_kernels.h.
+ * Backward (linear_logp_dz): d_z of a vocabulary chunk from its logits and the saved lse / entropy,
+ * elementwise (the row blocks and chunks are walked by csrc/bind/linear_logp.c).
  *
  * Tile plan: OpenMP threads take blocks of up to ROW_BLOCK rows. A row block walks the vocabulary
  * in blocks of VOCAB_BLOCK entries in increasing order; the logits of a rows x vocab block come from
@@ -18,38 +20,23 @@
  * and threads only split rows. The logits also match a GEMM of the same operands with a fp32 bias
  * bit for bit, so a backward that recomputes them sees exactly the forward's values.
  *
- * Build: gcc -O3 -std=c11 -fopenmp -ffp-contract=off -fPIC -shared -I csrc csrc/cpu/gemm_cpu.c \
- *            csrc/cpu/linear_logp_cpu.c
+ * Build: gcc -O3 -std=c11 -fopenmp -ffp-contract=off -fPIC -shared -I csrc csrc/cpu/gemm.c \
+ *            csrc/cpu/linear_logp.c
  * Test:  pip install --no-build-isolation -e . && pytest tests/test_linear_logp.py
  */
 #include <math.h>
 #include <stdlib.h>
 
-#include "rl_kernels.h"
-#include "half_convert.h"
+#include "../ops/gemm.h"
+#include "../ops/linear_logp.h"
+#include "common.h"
+
+int rlk_gemm_cpu(const rlk_gemm_args *args, rlk_context *ctx); /* cpu/gemm.c */
 
 enum {
     ROW_BLOCK = 96,     /* the GEMM's macro tile height: one weight pass per 96 rows */
     VOCAB_BLOCK = 1024, /* fixed, so the softmax folding order depends on V only */
 };
-
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-static size_t dtype_size(rlk_dtype dtype) { return dtype == RLK_F32 ? 4 : 2; }
-
-static float load_f32(const void *src, rlk_dtype dtype, int64_t index)
-{
-    if (dtype == RLK_F32) return ((const float *)src)[index];
-    if (dtype == RLK_BF16) return rlk_bf16_to_f32(((const uint16_t *)src)[index]);
-    return rlk_f16_to_f32(((const uint16_t *)src)[index]);
-}
-
-static void store_f32(void *dst, rlk_dtype dtype, int64_t index, float value)
-{
-    if (dtype == RLK_F32) ((float *)dst)[index] = value;
-    else if (dtype == RLK_BF16) ((uint16_t *)dst)[index] = rlk_f32_to_bf16(value);
-    else ((uint16_t *)dst)[index] = rlk_f32_to_f16(value);
-}
 
 /* Running softmax of one row, relative to its max (first arg max a): sum_exp_rest = sum_{v != a}
  * exp(s_v - max), so sum_exp = 1 + sum_exp_rest keeps full precision when one entry dominates
@@ -100,13 +87,13 @@ static void fold_block(softmax_state *st, const float *s, int64_t n)
 static int forward_row_block(const rlk_linear_logp_args *args, int64_t row0, int64_t rows, float *work)
 {
     float *logits = work, *bias = logits + ROW_BLOCK * VOCAB_BLOCK;
-    const size_t elem = dtype_size(args->dtype);
+    const size_t elem = rlk_dtype_size(args->dtype);
     softmax_state state[ROW_BLOCK];
     for (int64_t r = 0; r < rows; r++)
         state[r] = (softmax_state){-INFINITY, 0.0f, 0.0f, NAN, 0};
 
     for (int64_t v0 = 0; v0 < args->V; v0 += VOCAB_BLOCK) {
-        const int64_t vb = min64(VOCAB_BLOCK, args->V - v0);
+        const int64_t vb = rlk_min64(VOCAB_BLOCK, args->V - v0);
         const rlk_gemm_args gemm = {
             .M = rows, .N = vb, .K = args->D, .in_dtype = args->dtype, .out_dtype = RLK_F32,
             .a = (const char *)args->hidden + (size_t)(row0 * args->ldh) * elem, .lda = args->ldh,
@@ -115,9 +102,11 @@ static int forward_row_block(const rlk_linear_logp_args *args, int64_t row0, int
             .b_trans = 1,
             .c = NULL, .ldc = 0, .out = logits, .ldo = vb, .alpha = 1.0f, .beta = 0.0f,
         };
-        const int status = rlk_gemm_cpu(&gemm, 1);
+        rlk_context one_thread = {.num_threads = 1};
+        const int status = rlk_gemm_cpu(&gemm, &one_thread);
         if (status != RLK_OK) return status;
-        for (int64_t j = 0; j < vb; j++) bias[j] = args->bias ? load_f32(args->bias, args->dtype, v0 + j) : 0.0f;
+        for (int64_t j = 0; j < vb; j++)
+            bias[j] = args->bias ? rlk_load_f32(args->bias, args->dtype, v0 + j) : 0.0f;
 
         for (int64_t r = 0; r < rows; r++) {
             float *s = logits + r * vb;
@@ -153,17 +142,20 @@ static int forward_row_block(const rlk_linear_logp_args *args, int64_t row0, int
     return bad_target;
 }
 
-int rlk_linear_logp_fwd_cpu(const rlk_linear_logp_args *args, int num_threads)
+int rlk_linear_logp_fwd_cpu(const rlk_linear_logp_args *args, rlk_context *ctx)
 {
-    const int threads = num_threads > 0 ? num_threads : 1;
+    if (args->dtype == RLK_F64) return RLK_UNSUPPORTED;
+    ctx->kernel = "linear_logp_fwd_cpu";
+    if (ctx->plan_only) return RLK_OK;
+    const int threads = ctx->num_threads > 0 ? ctx->num_threads : 1;
     /* The row block size only balances the threads; a row's result does not depend on it. */
     const int64_t rows_per_thread = (args->N + threads - 1) / threads;
-    const int64_t row_block = min64(ROW_BLOCK, rows_per_thread);
+    const int64_t row_block = rlk_min64(ROW_BLOCK, rows_per_thread);
     const int64_t blocks = (args->N + row_block - 1) / row_block;
     const size_t work_bytes = sizeof(float) * (ROW_BLOCK * VOCAB_BLOCK + VOCAB_BLOCK);
     int bad_target = 0, out_of_memory = 0;
 
-#pragma omp parallel num_threads((int)min64(threads, blocks)) reduction(| : bad_target, out_of_memory)
+#pragma omp parallel num_threads((int)rlk_min64(threads, blocks)) reduction(| : bad_target, out_of_memory)
     {
         float *work = malloc(work_bytes);
         if (!work) out_of_memory = 1;
@@ -171,25 +163,28 @@ int rlk_linear_logp_fwd_cpu(const rlk_linear_logp_args *args, int num_threads)
         for (int64_t b = 0; b < blocks; b++) {
             if (!work) continue;
             const int64_t row0 = b * row_block;
-            const int status = forward_row_block(args, row0, min64(row_block, args->N - row0), work);
+            const int status = forward_row_block(args, row0, rlk_min64(row_block, args->N - row0), work);
             if (status == RLK_CPU_OUT_OF_MEMORY) out_of_memory = 1;
             else bad_target |= status;
         }
         free(work);
     }
     if (out_of_memory) return RLK_CPU_OUT_OF_MEMORY;
-    return bad_target ? RLK_BAD_TARGET : RLK_OK;
+    return bad_target ? RLK_BAD_INDEX : RLK_OK;
 }
 
-int rlk_linear_logp_dlogits_cpu(const rlk_linear_logp_dlogits_args *args, int num_threads)
+int rlk_linear_logp_dz_cpu(const rlk_linear_logp_dlogits_args *args, rlk_context *ctx)
 {
+    if (args->dtype == RLK_F64 || args->logits == NULL) return RLK_UNSUPPORTED;
+    ctx->kernel = "linear_logp_dz_cpu";
+    if (ctx->plan_only) return RLK_OK;
     const float inv_t = args->inv_temperature;
-#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+#pragma omp parallel for num_threads(ctx->num_threads > 0 ? ctx->num_threads : 1) schedule(static)
     for (int64_t r = 0; r < args->rows; r++) {
-        const float *z = args->logits + r * args->ld_logits;
+        const float *logits = args->logits + r * args->ld_logits;
         const int64_t out_row = r * args->ld_dlogits;
         if (args->target[r] == args->ignore_index) {
-            for (int64_t c = 0; c < args->cols; c++) store_f32(args->dlogits, args->out_dtype, out_row + c, 0.0f);
+            for (int64_t c = 0; c < args->cols; c++) rlk_store_f32(args->dlogits, args->dtype, out_row + c, 0.0f);
             continue;
         }
         const int64_t target_col = args->target[r] - args->v0;
@@ -198,11 +193,13 @@ int rlk_linear_logp_dlogits_cpu(const rlk_linear_logp_dlogits_args *args, int nu
         const float entropy = args->grad_entropy ? args->entropy[r] : 0.0f;
         const float lse = args->lse[r];
         for (int64_t c = 0; c < args->cols; c++) {
-            const float s = z[c] * inv_t;
+            /* z = logits + bias in one rounding, as a GEMM epilogue with C = bias forms it */
+            const float z = args->bias ? logits[c] + rlk_load_f32(args->bias, args->dtype, c) : logits[c];
+            const float s = z * inv_t;
             const float p = expf(s - lse);
             const float one_hot = c == target_col ? 1.0f : 0.0f;
             const float d_s = g_logp * (one_hot - p) - g_ent * p * (s - lse + entropy);
-            store_f32(args->dlogits, args->out_dtype, out_row + c, d_s * inv_t);
+            rlk_store_f32(args->dlogits, args->dtype, out_row + c, d_s * inv_t);
         }
     }
     return RLK_OK;

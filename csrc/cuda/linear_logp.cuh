@@ -1,6 +1,6 @@
-/* linear_logp_common.cuh: what the fused linear_logp forwards (linear_logp_sm80.cu on mma.sync,
- * gemm_sm90.cu on wgmma) share: the vocabulary split, the online-softmax state, and the kernel
- * that merges a row's split partials.
+/* cuda/linear_logp.cuh: what the linear_logp kernels of every architecture (sm80/linear_logp.cu on
+ * mma.sync, sm90/linear_logp.cu on wgmma) share: the vocabulary split, the online-softmax state, the
+ * kernel that merges a row's split partials, and the backward's d loss / d z of one logit.
  *
  * Partial state of (split, row), in log2 units x = s * log2(e): float4 {m, l, S, x_target} with
  * m the running max, l = sum 2^(x - m), S = sum 2^(x - m) (x - m), x_target the target's logit when
@@ -9,13 +9,11 @@
  *
  * Everything here has internal linkage: each .cu file that includes it gets its own copy.
  */
-#ifndef RLK_LINEAR_LOGP_COMMON_CUH_
-#define RLK_LINEAR_LOGP_COMMON_CUH_
+#ifndef RLK_CUDA_LINEAR_LOGP_CUH_
+#define RLK_CUDA_LINEAR_LOGP_CUH_
 
-#include <cuda_runtime.h>
-#include <stdint.h>
-
-#include "../rl_kernels.h"
+#include "../ops/linear_logp.h"
+#include "common.cuh"
 
 #define LOGP_SPLIT_COLS 768     /* vocabulary columns per split: one partial state per row */
 #define LOGP_EMPTY_MAX (-1e30f) /* max of an empty state: finite so that (m - m') * 0 stays 0 */
@@ -35,7 +33,7 @@ static __device__ __forceinline__ void softmax_state_merge(float &m, float &l, f
     m = m_new;
 }
 
-/* d loss / d z of one logit z of a row (rl_kernels.h, linear_logp backward): s = z / T, p = exp(s - lse),
+/* d loss / d z of one logit z of a row (ops/linear_logp.h, backward): s = z / T, p = exp(s - lse),
  * (g_logp * (1[target] - p) - g_ent * p * (s - lse + entropy)) / T. Explicitly rounded operations (no
  * contraction choices), so the fused SM90 epilogue and the elementwise kernel give the same bits. */
 static __device__ __forceinline__ float dlogit_value(float z, float inv_temperature, float lse, float entropy,
@@ -45,12 +43,6 @@ static __device__ __forceinline__ float dlogit_value(float z, float inv_temperat
     const float d_logp = __fmul_rn(grad_logp, __fsub_rn(is_target ? 1.0f : 0.0f, p));
     const float d_entropy = __fmul_rn(__fmul_rn(grad_entropy, p), __fadd_rn(x, entropy));
     return __fmul_rn(__fsub_rn(d_logp, d_entropy), inv_temperature);
-}
-
-static __device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 /* One row of a logits tile as the mma.sync / wgmma accumulator layouts spread it: a quad of lanes,
@@ -130,4 +122,4 @@ static inline int launch_linear_logp_merge(const rlk_linear_logp_args *args,
     return (int)cudaGetLastError();
 }
 
-#endif /* RLK_LINEAR_LOGP_COMMON_CUH_ */
+#endif /* RLK_CUDA_LINEAR_LOGP_CUH_ */

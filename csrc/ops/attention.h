@@ -1,5 +1,5 @@
 /* ops/attention.h: the contract of the prefill/decode-invariant attention
- * (docs/operators/attention.md has the derivation and the reasons).
+ * (docs/operators/attention.md explains the contract and the block / segment structure).
  *
  * Sequences b = 0 .. batch-1. Sequence b has q_len[b] query rows and k_len[b] keys/values. Query i
  * (0 <= i < q_len[b]) of sequence b sits at key position pos = k_len[b] - q_len[b] + i (causal
@@ -49,7 +49,16 @@
  *   dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q (GQA: summed over the group's query heads
  *   in increasing head order). Deterministic: fixed orders, no atomics; bitwise equal run to run.
  *
- * dtype: q, k, v, out, dout, dq, dk, dv share it: bf16 / fp16 on CUDA, also fp32 on the CPU.
+ * dtype: q, k, v, out, dout, dq, dk, dv share it: bf16 / fp16 on CUDA, also fp32 and fp64 on the CPU
+ * (fp64 computed in double, lse then fp64 too: for gradcheck). lse is fp32 otherwise.
+ * Ranges: the per-sequence starts and lengths live in device memory, so the binding cannot check them
+ * without a sync. A launcher checks them (0 <= len <= max_len, 0 <= start, start + len <= rows): the
+ * CPU one returns RLK_BAD_INDEX before writing anything; CUDA kernels skip such a sequence and set
+ * *bad_index (the caller raises on its next call). Keys past a row's L are never read, so stale
+ * values (NaN, Inf) in a cache beyond its length cannot reach a row.
+ * The order of the alpha rescale relative to a block's sums, of the merge's products and of the
+ * backward's products (P and dS rounded to the dtype for a tensor-core product, or not) are each the
+ * backend's, fixed.
  * workspace: ctx->workspace_bytes of memory as planned (split-KV partials, backward row sums).
  */
 #ifndef RLK_OPS_ATTENTION_H_
@@ -71,13 +80,15 @@ typedef struct rlk_attention_tensor {
 
 typedef struct rlk_attention_args {
     int64_t batch, heads_q, heads_kv, head_dim;
-    int64_t max_q_len, max_k_len; /* >= every q_len[b] / k_len[b]: grid sizing only */
+    int64_t max_q_len, max_k_len; /* >= every q_len[b] / k_len[b]: grid sizing */
+    int64_t q_rows, k_rows;       /* rows of one batch entry's storage: q_start + q_len <= q_rows, ... */
     rlk_dtype dtype;
     int causal;
     float softmax_scale;
     const int32_t *q_start, *q_len, *k_start, *k_len; /* [batch] each, on the tensors' device */
     rlk_attention_tensor q, k, v, out, lse;           /* forward: reads q, k, v; writes out, lse */
     rlk_attention_tensor dout, dq, dk, dv;            /* backward: reads q, k, v, out, lse, dout */
+    int32_t *bad_index; /* CUDA: host-mapped flag set to 1 when a sequence's ranges are out of bounds */
     void *workspace;
 } rlk_attention_args;
 

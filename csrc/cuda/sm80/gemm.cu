@@ -1,8 +1,9 @@
-/* gemm_sm80.cu: batch-invariant bf16/fp16 GEMM for sm_80+ (also runs on H100 through sm_90 SASS).
+/* sm80/gemm.cu: batch-invariant GEMM for sm_80+ (also runs on H100 through sm_90 SASS): bf16/fp16
+ * on tensor cores, fp32 on FFMA (never TF32).
  *
- *   out[i, j] = alpha * sum_k A[i, k] * B[k, j] + beta * C[i, j]   (see rl_kernels.h for addressing)
+ *   out[i, j] = alpha * sum_k A[i, k] * B[k, j] + beta * C[i, j]   (contract: csrc/ops/gemm.h)
  *
- * Tile plan: CTA tile BM x BN x BK = 128 x 256 x 64, 8 warps as 2 (M) x 4 (N), warp tile
+ * Tensor-core tile plan (bf16/fp16 in): CTA tile BM x BN x BK = 128 x 256 x 64, 8 warps as 2 (M) x 4 (N), warp tile
  * 64 x 64 = 4 x 8 mma.sync.m16n8k16 (bf16/fp16 in, fp32 accumulate), one CTA per SM; when those
  * tiles would leave half the SMs idle (small M or N), 128 x 128 with 4 x 2 warps of 32 x 64.
  * Operands go global -> shared with 16-byte cp.async in a 3-stage pipeline (162 KB for the large
@@ -18,84 +19,35 @@
  * The grid is 1-D over output tiles, rastered in groups of 8 M-tiles so that neighbouring CTAs
  * share B and A tiles in L2 (no 65535 grid.y limit; N = 151936 is 594 N-tiles).
  *
+ * fp32 plan (FFMA, one plan for every problem): CTA tile 128 x 64 x 16, 256 threads as 16 x 16, each
+ * thread owns an 8 x 4 register block. Each k-tile is copied global -> shared with element-wise,
+ * bounds-checked loads that walk the operand's contiguous dimension across neighbouring threads
+ * (coalesced for every layout), stored k-major so the inner loop reads float4s; zero fill past the
+ * edges; grouped raster like the tensor-core kernel.
+ *
  * Batch invariance: no split-K; the tile size (chosen by M and N) only moves an element between
  * tiles, CTAs and warps, never changes its arithmetic. Every output element
  * is accumulated over k-tiles 0, 1, ..., ceil(K / BK) - 1 and, inside a k-tile, over its k16
  * mma steps in order, with zero fill past K (which depends on K only). The mma sequence is the same
  * for every row, every position inside the tile and every CTA, so a row's bits do not depend on M,
- * on its position in the batch or on the alignment of the operands.
+ * on its position in the batch or on the alignment of the operands. The fp32 kernel updates one
+ * accumulator per element by fmaf for k = 0, 1, ..., K - 1 in order (zero fill adds exact zeros).
  *
  * Build (shared library for tests):
- *   nvcc -shared -Xcompiler -fPIC -O3 -std=c++17 -lineinfo -Xptxas -v \
+ *   nvcc -shared -Xcompiler -fPIC -O3 -std=c++17 -lineinfo -Xptxas -v -Icsrc \
  *     -gencode arch=compute_80,code=sm_80 -gencode arch=compute_80,code=compute_80 \
- *     -gencode arch=compute_90,code=sm_90 csrc/cuda/gemm_sm80.cu -o libgemm_sm80.so
+ *     -gencode arch=compute_90,code=sm_90 csrc/cuda/sm80/gemm.cu -o libgemm_sm80.so
  * Test (GPU): python3 setup.py build_ext --inplace && pytest tests/test_gpu_gemm.py -m gpu
  *   (or scripts/gpu_check.sh: tests, compute-sanitizer, benchmarks/bench_gemm.py).
  */
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
-#include "../rl_kernels.h"
+#include "../../ops/gemm.h"
+#include "../common.cuh"
 
 #define GEMM_SM80_GROUP_M 8 /* M-tiles per raster group (L2 reuse of the B tiles) */
 
 /* ----------------------------------------------------------------------------------------------
- * PTX wrappers
+ * 8 consecutive output elements <-> 8 floats
  * -------------------------------------------------------------------------------------------- */
-__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void *gmem, int src_bytes) {
-    /* copies src_bytes (0..16) and zero-fills the rest of the 16-byte chunk */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
-                 "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait(void) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-template <int TRANS>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t smem_addr) {
-    if (TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(smem_addr));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(smem_addr));
-}
-
-/* One m16n8k16 tensor-core step, c += a * b, for bf16 or fp16 operands (the dtype tag picks). */
-#define MMA_16816_ASM(TYPE)                                                                      \
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                  \
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"             \
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2],
-                                          __nv_bfloat16 /* dtype tag */) {
-    MMA_16816_ASM("bf16");
-}
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2],
-                                          __half /* dtype tag */) {
-    MMA_16816_ASM("f16");
-}
-#undef MMA_16816_ASM
-
-/* ----------------------------------------------------------------------------------------------
- * Output element conversions (c and out have out_dtype: fp32, bf16 or fp16)
- * -------------------------------------------------------------------------------------------- */
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-
-__device__ __forceinline__ void from_f32(float *p, float v) { *p = v; }
-__device__ __forceinline__ void from_f32(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void from_f32(__half *p, float v) { *p = __float2half_rn(v); }
-
 /* 8 consecutive elements <-> 8 floats with 16-byte accesses; p must be 16-byte aligned */
 __device__ __forceinline__ void load8_vec(const float *p, float v[8]) {
     float4 x = *(const float4 *)p, y = *(const float4 *)(p + 4);
@@ -269,11 +221,11 @@ __global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, 1)
         const uint32_t as_stage = as_base + 2 * (stage * A_STAGE + ks * A_K_STEP);
         const uint32_t bs_stage = bs_base + 2 * (stage * B_STAGE + ks * B_K_STEP);
 #pragma unroll
-        for (int mi = 0; mi < MI; mi++) ldmatrix_x4<A_TRANS>(af[mi], as_stage + 2 * mi * A_MI_STEP);
+        for (int mi = 0; mi < MI; mi++) ldmatrix_x4<A_TRANS != 0>(af[mi], as_stage + 2 * mi * A_MI_STEP);
 #pragma unroll
         for (int nj = 0; nj < NI / 2; nj++) {
             uint32_t r[4];
-            ldmatrix_x4<!B_TRANS>(r, bs_stage + 2 * nj * B_NJ_STEP);
+            ldmatrix_x4<B_TRANS == 0>(r, bs_stage + 2 * nj * B_NJ_STEP);
             bf[2 * nj][0] = r[0]; bf[2 * nj][1] = r[1];
             bf[2 * nj + 1][0] = r[2]; bf[2 * nj + 1][1] = r[3];
         }
@@ -323,7 +275,8 @@ __global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, 1)
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int ni = 0; ni < NI; ni++) mma_16816(acc[mi][ni], af[ks % 2][mi], bf[ks % 2][ni], T());
+                for (int ni = 0; ni < NI; ni++)
+                    mma_16816<std::is_same<T, __nv_bfloat16>::value>(acc[mi][ni], af[ks % 2][mi], bf[ks % 2][ni]);
         }
     }
 
@@ -372,6 +325,97 @@ __global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, 1)
 #pragma unroll
             for (int e = 0; e < 8; e++)
                 if (e < valid) from_f32(&orow[e], v[e]);
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * The fp32 kernel (FFMA, fixed k order; see the file header).
+ * -------------------------------------------------------------------------------------------- */
+#define FP32_BM 128
+#define FP32_BN 64
+#define FP32_BK 16
+#define FP32_THREADS 256
+#define FP32_TM 8 /* rows per thread */
+#define FP32_TN 4 /* columns per thread */
+#define FP32_GROUP_M 8
+
+template <int A_TRANS, int B_TRANS>
+__global__ void __launch_bounds__(FP32_THREADS)
+    gemm_fp32_simt_kernel(int64_t M, int64_t N, int64_t K, const float *__restrict__ a, int64_t lda,
+                          const float *__restrict__ b, int64_t ldb, const float *__restrict__ c,
+                          int64_t ldc, float *__restrict__ out, int64_t ldo, float alpha, float beta) {
+    /* +4 floats per row keeps float4 alignment and spreads the transposing stores over banks */
+    __shared__ __align__(16) float As[FP32_BK][FP32_BM + 4];
+    __shared__ __align__(16) float Bs[FP32_BK][FP32_BN + 4];
+
+    const int64_t num_m_tiles = (M + FP32_BM - 1) / FP32_BM, num_n_tiles = (N + FP32_BN - 1) / FP32_BN;
+    const int64_t pid = blockIdx.x;
+    const int64_t tiles_per_group = (int64_t)FP32_GROUP_M * num_n_tiles;
+    const int64_t first_m = (pid / tiles_per_group) * FP32_GROUP_M;
+    const int64_t group_rows = min((int64_t)FP32_GROUP_M, num_m_tiles - first_m);
+    const int64_t m0 = (first_m + (pid % tiles_per_group) % group_rows) * FP32_BM;
+    const int64_t n0 = ((pid % tiles_per_group) / group_rows) * FP32_BN;
+
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const int m_in = (int)min((int64_t)FP32_BM, M - m0), n_in = (int)min((int64_t)FP32_BN, N - n0);
+    const float *a_tile = a + (A_TRANS ? m0 : m0 * lda); /* tile origins at k = 0 */
+    const float *b_tile = b + (B_TRANS ? n0 * ldb : n0);
+
+    float acc[FP32_TM][FP32_TN];
+#pragma unroll
+    for (int i = 0; i < FP32_TM; i++)
+#pragma unroll
+        for (int j = 0; j < FP32_TN; j++) acc[i][j] = 0.0f;
+
+    for (int64_t k0 = 0; k0 < K; k0 += FP32_BK) {
+        const int k_in = (int)min((int64_t)FP32_BK, K - k0);
+        /* consecutive threads walk the contiguous global dimension */
+#pragma unroll
+        for (int i = 0; i < FP32_BM * FP32_BK / FP32_THREADS; i++) {
+            const int e = tid + i * FP32_THREADS;
+            const int k = A_TRANS ? e / FP32_BM : e % FP32_BK;
+            const int m = A_TRANS ? e % FP32_BM : e / FP32_BK;
+            As[k][m] = (k < k_in && m < m_in)
+                           ? (A_TRANS ? a_tile[(k0 + k) * lda + m] : a_tile[m * lda + k0 + k])
+                           : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < FP32_BN * FP32_BK / FP32_THREADS; i++) {
+            const int e = tid + i * FP32_THREADS;
+            const int k = B_TRANS ? e % FP32_BK : e / FP32_BN;
+            const int n = B_TRANS ? e / FP32_BK : e % FP32_BN;
+            Bs[k][n] = (k < k_in && n < n_in)
+                           ? (B_TRANS ? b_tile[n * ldb + k0 + k] : b_tile[(k0 + k) * ldb + n])
+                           : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < FP32_BK; k++) {
+            const float4 a_lo = *(const float4 *)&As[k][ty * FP32_TM];
+            const float4 a_hi = *(const float4 *)&As[k][ty * FP32_TM + 4];
+            const float4 bv = *(const float4 *)&Bs[k][tx * FP32_TN];
+            const float av[FP32_TM] = {a_lo.x, a_lo.y, a_lo.z, a_lo.w, a_hi.x, a_hi.y, a_hi.z, a_hi.w};
+            const float bw[FP32_TN] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+            for (int i = 0; i < FP32_TM; i++)
+#pragma unroll
+                for (int j = 0; j < FP32_TN; j++) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int i = 0; i < FP32_TM; i++) {
+        const int64_t gi = m0 + ty * FP32_TM + i;
+        if (gi >= M) break;
+#pragma unroll
+        for (int j = 0; j < FP32_TN; j++) {
+            const int64_t gj = n0 + tx * FP32_TN + j;
+            if (gj >= N) break;
+            float v = alpha * acc[i][j];
+            if (c) v = fmaf(beta, c[gi * ldc + gj], v); /* ldc == 0: bias row broadcast */
+            out[gi * ldo + gj] = v;
         }
     }
 }
@@ -432,15 +476,39 @@ static int launch_gemm_sm80(const rlk_gemm_args *p, cudaStream_t stream) {
     return RLK_UNSUPPORTED;
 }
 
-/* 128 x 256 tiles; 128 x 128 (8 warps of 32 x 64) when even twice as many tiles fit in one wave, so twice
- * as many SMs work (a full wave of large tiles beats two of small ones). Both run the same mma sequence for every output element, so the choice (by M and N)
- * cannot change a row's bits; the GPU tests compare every M of the sweep bitwise. */
-extern "C" int rlk_gemm_sm80(const rlk_gemm_args *args, void *stream) {
+static int launch_gemm_fp32(const rlk_gemm_args *p, cudaStream_t stream) {
+    const int64_t tiles = ((p->M + FP32_BM - 1) / FP32_BM) * ((p->N + FP32_BN - 1) / FP32_BN);
+    if (tiles > 0x7fffffff) return (int)cudaErrorInvalidConfiguration;
+    void (*kernel)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
+                   const float *, int64_t, float *, int64_t, float, float);
+    if (p->a_trans)
+        kernel = p->b_trans ? gemm_fp32_simt_kernel<1, 1> : gemm_fp32_simt_kernel<1, 0>;
+    else
+        kernel = p->b_trans ? gemm_fp32_simt_kernel<0, 1> : gemm_fp32_simt_kernel<0, 0>;
+    kernel<<<(unsigned)tiles, FP32_THREADS, 0, stream>>>(
+        p->M, p->N, p->K, (const float *)p->a, p->lda, (const float *)p->b, p->ldb,
+        (const float *)p->c, p->ldc, (float *)p->out, p->ldo, p->alpha, p->beta);
+    return (int)cudaGetLastError();
+}
+
+/* bf16/fp16: 128 x 256 tiles; 128 x 128 (8 warps of 32 x 64) when even twice as many tiles fit in one
+ * wave, so twice as many SMs work (a full wave of large tiles beats two of small ones). Both run the
+ * same mma sequence for every output element, so the choice (by M and N) cannot change a row's bits;
+ * the GPU tests compare every M of the sweep bitwise. fp32: the FFMA kernel. */
+extern "C" int rlk_gemm_sm80(const rlk_gemm_args *args, rlk_context *ctx) {
+    const bool fp32 = args->in_dtype == RLK_F32 && args->out_dtype == RLK_F32;
+    const bool half = (args->in_dtype == RLK_BF16 || args->in_dtype == RLK_F16) &&
+                      (args->out_dtype == args->in_dtype || args->out_dtype == RLK_F32);
+    if (!fp32 && !half) return RLK_UNSUPPORTED;
+    ctx->kernel = fp32 ? "gemm_fp32_sm80" : "gemm_sm80";
+    if (ctx->plan_only) return RLK_OK;
+    const cudaStream_t stream = (cudaStream_t)ctx->stream;
+    if (fp32) return launch_gemm_fp32(args, stream);
     int device, num_sms;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return (int)err;
     const int64_t large_tiles = ((args->M + 127) / 128) * ((args->N + 255) / 256);
-    if (2 * large_tiles <= num_sms) return launch_gemm_sm80<128, 128, 64, 4, 2, 3>(args, (cudaStream_t)stream);
-    return launch_gemm_sm80<128, 256, 64, 2, 4, 3>(args, (cudaStream_t)stream);
+    if (2 * large_tiles <= num_sms) return launch_gemm_sm80<128, 128, 64, 4, 2, 3>(args, stream);
+    return launch_gemm_sm80<128, 256, 64, 2, 4, 3>(args, stream);
 }

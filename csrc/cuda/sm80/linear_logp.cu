@@ -1,4 +1,5 @@
-/* linear_logp_sm80.cu: fused LM-head log-probs on tensor cores (mma.sync, sm_80 and later).
+/* sm80/linear_logp.cu: fused LM-head log-probs on tensor cores (mma.sync, sm_80 and later);
+ * contract: csrc/ops/linear_logp.h.
  *
  * Forward, per row n with s_v = (hidden[n] . weight[v] + bias[v]) * inv_temperature:
  *   lse = log sum_v exp(s_v),  logp = s_target - lse,  entropy = lse - sum_v p_v s_v,
@@ -27,27 +28,28 @@
  * position in the batch, or on pointer alignment (the aligned cp.async loader and the scalar
  * loader fill shared memory with identical bytes).
  *
- * fp32 inputs (no tensor cores, never TF32): logits chunks from the fp32 SIMT GEMM into the workspace,
+ * fp32 inputs (no tensor cores, never TF32): logits chunks from the fp32 FFMA GEMM into the workspace,
  * folded per split by partials_from_logits_kernel into the same partials and merged the same way.
  *
- * dlogits: elementwise, d_z = inv_T * (g_logp * (1[v == t] - p) - g_ent * p * (s - lse + H)),
- * 4 columns per thread (float4 loads when logits/out rows allow it), scalar tail otherwise.
+ * linear_logp_dz (backward): elementwise, z = logits + bias, d_z = inv_T * (g_logp * (1[v == t] - p)
+ * - g_ent * p * (s - lse + H)), 4 columns per thread (vector accesses when the logits / dz rows allow
+ * them), scalar tail otherwise.
  *
- * Build: nvcc -O3 -std=c++17 -lineinfo -Xptxas -v -shared -Xcompiler -fPIC
+ * Build: nvcc -O3 -std=c++17 -lineinfo -Xptxas -v -c -Xcompiler -fPIC -Icsrc
  *          -gencode arch=compute_80,code=sm_80 -gencode arch=compute_80,code=compute_80
- *          -gencode arch=compute_90,code=sm_90 csrc/cuda/linear_logp_sm80.cu -o liblogp.so
+ *          -gencode arch=compute_90,code=sm_90 csrc/cuda/sm80/linear_logp.cu (links with sm80/gemm.cu)
  * Test (GPU): python3 setup.py build_ext --inplace && pytest tests/test_gpu_linear_logp.py -m gpu
  *   (or scripts/gpu_check.sh: tests, compute-sanitizer, benchmarks/bench_linear_logp.py).
  */
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
 #include <math.h>
 #include <string.h>
 
-#include "../rl_kernels.h"
-#include "linear_logp_common.cuh"
+#include "../../ops/gemm.h"
+#include "../../ops/linear_logp.h"
+#include "../common.cuh"
+#include "../linear_logp.cuh"
+
+extern "C" int rlk_gemm_sm80(const rlk_gemm_args *args, rlk_context *ctx); /* sm80/gemm.cu */
 
 #define LOGP_BM 128             /* rows per CTA tile */
 #define LOGP_BN 256             /* vocabulary columns per CTA tile */
@@ -65,64 +67,6 @@
 #define LOGP_SMEM_BYTES (LOGP_STAGES * LOGP_STAGE_BYTES + LOGP_STATE_COUNT * 16 + LOGP_BM * 8)
 
 static_assert(LOGP_BN * LOGP_TILES_PER_SPLIT == LOGP_SPLIT_COLS, "a split is whole tiles");
-
-/* ---------------------------------------------------------------------------------------------
- * PTX wrappers
- * ------------------------------------------------------------------------------------------- */
-__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void *gmem_src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
-                 "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void st_shared_v4(uint32_t smem_dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_dst), "r"(a), "r"(b), "r"(c), "r"(d));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t smem_src) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_src));
-}
-
-template <bool IS_BF16>
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-    if (IS_BF16) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    } else {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-}
-
-template <bool IS_BF16>
-__device__ __forceinline__ void mma_16816_zero_c(float d[4], const uint32_t a[4], const uint32_t b[2]) {
-    const float zero = 0.0f;
-    if (IS_BF16) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(zero));
-    } else {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(zero));
-    }
-}
-
-template <bool IS_BF16>
-__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
-    if (IS_BF16) return __uint_as_float((uint32_t)bits << 16);
-    return __half2float(__ushort_as_half(bits));
-}
 
 /* ---------------------------------------------------------------------------------------------
  * Partial kernel: one (128-row tile, 768-column split) per CTA.
@@ -276,7 +220,7 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
 #pragma unroll
                 for (int nj = 0; nj < 4; ++nj) {
                     uint32_t r[4];
-                    ldmatrix_x4(r, b_smem + b_lane_row + nj * 16 * 128 + b_col);
+                    ldmatrix_x4<false>(r, b_smem + b_lane_row + nj * 16 * 128 + b_col);
                     b_frag[q][2 * nj][0] = r[0];
                     b_frag[q][2 * nj][1] = r[1];
                     b_frag[q][2 * nj + 1][0] = r[2];
@@ -290,12 +234,12 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
                 for (int q = 0; q < LOGP_CHAIN_K / 16; ++q) {
                     const int kk = kc * (LOGP_CHAIN_K / 16) + q;
                     const uint32_t a_col = (uint32_t)(((2 * kk + a_lane_chunk) ^ swizzle) << 4);
-                    ldmatrix_x4(a_frag[q], a_smem + a_lane_row + mi * 16 * 128 + a_col);
+                    ldmatrix_x4<false>(a_frag[q], a_smem + a_lane_row + mi * 16 * 128 + a_col);
                 }
 #pragma unroll
                 for (int ni = 0; ni < 8; ++ni) {
                     float chain[4];
-                    mma_16816_zero_c<IS_BF16>(chain, a_frag[0], b_frag[0][ni]);
+                    mma_16816_zero_acc<IS_BF16>(chain, a_frag[0], b_frag[0][ni]);
 #pragma unroll
                     for (int q = 1; q < LOGP_CHAIN_K / 16; ++q) mma_16816<IS_BF16>(chain, a_frag[q], b_frag[q][ni]);
 #pragma unroll
@@ -368,8 +312,8 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
 
 /* ---------------------------------------------------------------------------------------------
  * fp32 inputs: no tensor-core path (never TF32). The logits of LOGP_FP32_CHUNK_ROWS x
- * LOGP_FP32_CHUNK_COLS chunks come from the fp32 SIMT GEMM (rlk_gemm_fp32_simt: fixed k order, bias
- * added in its epilogue) into the workspace; partials_from_logits_kernel then folds each
+ * LOGP_FP32_CHUNK_COLS chunks come from the fp32 FFMA GEMM (rlk_gemm_sm80 with fp32 operands: fixed k
+ * order, bias added in its epilogue) into the workspace; partials_from_logits_kernel then folds each
  * LOGP_SPLIT_COLS-column split of a row into the same partial state as the fused kernels (lane j
  * takes columns j, j + 32, ... in order, the lanes merge in a fixed shuffle tree), and the common
  * merge kernel finishes. Slower (logits pass through memory, O(chunk) extra), same contract.
@@ -407,7 +351,9 @@ __global__ void partials_from_logits_kernel(const float *__restrict__ logits, in
 }
 
 static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, float4 *partials, float *logits,
-                                cudaStream_t s) {
+                                rlk_context *ctx) {
+    const cudaStream_t s = (cudaStream_t)ctx->stream;
+    rlk_context gemm_ctx = *ctx;
     const float scale_log2 = args->inv_temperature * LOG2E;
     for (int64_t v0 = 0; v0 < args->V; v0 += LOGP_FP32_CHUNK_COLS) {
         const int64_t cols = args->V - v0 < LOGP_FP32_CHUNK_COLS ? args->V - v0 : LOGP_FP32_CHUNK_COLS;
@@ -428,7 +374,7 @@ static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, float4 *partia
             g.out = logits;
             g.ldo = cols;
             g.alpha = g.beta = 1.0f;
-            const int rc = rlk_gemm_fp32_simt(&g, s);
+            const int rc = rlk_gemm_sm80(&g, &gemm_ctx);
             if (rc != RLK_OK) return rc;
             const dim3 grid((unsigned)((rows + 3) / 4), (unsigned)((cols + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS));
             partials_from_logits_kernel<<<grid, 128, 0, s>>>(logits, rows, cols, row0, v0, args->N, args->target,
@@ -442,12 +388,6 @@ static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, float4 *partia
 
 static int64_t partials_bytes(int64_t N, int64_t V) { return logp_splits(V) * N * (int64_t)sizeof(float4); }
 
-extern "C" int64_t rlk_linear_logp_fwd_workspace_bytes(int64_t N, int64_t V, rlk_dtype dtype) {
-    const int64_t logits_rows = N < LOGP_FP32_CHUNK_ROWS ? N : LOGP_FP32_CHUNK_ROWS;
-    return partials_bytes(N, V) +
-           (dtype == RLK_F32 ? logits_rows * LOGP_FP32_CHUNK_COLS * (int64_t)sizeof(float) : 0);
-}
-
 template <bool IS_BF16, bool ALIGNED>
 static cudaError_t launch_partial(const rlk_linear_logp_args *a, float4 *partials, dim3 grid, cudaStream_t stream) {
     void (*kernel)(const uint16_t *, int64_t, const uint16_t *, int64_t, const uint16_t *, const int64_t *, int64_t,
@@ -460,16 +400,25 @@ static cudaError_t launch_partial(const rlk_linear_logp_args *a, float4 *partial
     return cudaGetLastError();
 }
 
-extern "C" int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, void *workspace, void *stream) {
-    cudaStream_t s = (cudaStream_t)stream;
-    float4 *partials = (float4 *)workspace;
-    if (args->dtype == RLK_F32)
-        return linear_logp_fwd_fp32(args, partials,
-                                    (float *)((char *)workspace + partials_bytes(args->N, args->V)), s);
-    if (args->dtype != RLK_BF16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
+/* Workspace: the split partials, plus for fp32 inputs one chunk of fp32 logits. */
+extern "C" int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, rlk_context *ctx) {
+    const bool fp32 = args->dtype == RLK_F32;
+    if (!fp32 && args->dtype != RLK_BF16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
     const int64_t splits = logp_splits(args->V);
     if (args->D > INT32_MAX - LOGP_BK || args->V > INT32_MAX - LOGP_SPLIT_COLS || splits > 65535)
         return RLK_UNSUPPORTED;
+    ctx->kernel = fp32 ? "linear_logp_fwd_fp32_sm80" : "linear_logp_fwd_sm80";
+    if (ctx->plan_only) {
+        const int64_t logits_rows = args->N < LOGP_FP32_CHUNK_ROWS ? args->N : LOGP_FP32_CHUNK_ROWS;
+        ctx->workspace_bytes = partials_bytes(args->N, args->V) +
+                               (fp32 ? logits_rows * LOGP_FP32_CHUNK_COLS * (int64_t)sizeof(float) : 0);
+        return RLK_OK;
+    }
+    const cudaStream_t s = (cudaStream_t)ctx->stream;
+    float4 *partials = (float4 *)args->workspace;
+    if (fp32)
+        return linear_logp_fwd_fp32(args, partials,
+                                    (float *)((char *)args->workspace + partials_bytes(args->N, args->V)), ctx);
     /* loader choice by layout only; both loaders produce identical shared-memory bytes */
     const bool aligned = ((uintptr_t)args->hidden % 16 == 0) && ((uintptr_t)args->weight % 16 == 0) &&
                          (args->ldh % 8 == 0) && (args->ldw % 8 == 0);
@@ -484,96 +433,82 @@ extern "C" int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, void *
 }
 
 /* ---------------------------------------------------------------------------------------------
- * dlogits: elementwise backward of one (rows x cols) chunk.
+ * linear_logp_dz: elementwise backward of one (rows x cols) chunk from its fp32 logits.
  * ------------------------------------------------------------------------------------------- */
-template <typename OutT>
-__device__ __forceinline__ OutT float_to_out(float v);
-template <>
-__device__ __forceinline__ float float_to_out<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 float_to_out<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half float_to_out<__half>(float v) { return __float2half_rn(v); }
 
-__device__ __forceinline__ void store4(float *p, const float v[4]) { *(float4 *)p = make_float4(v[0], v[1], v[2], v[3]); }
-__device__ __forceinline__ void store4(__nv_bfloat16 *p, const float v[4]) {
-    __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-    uint2 u;
-    u.x = *(uint32_t *)&lo;
-    u.y = *(uint32_t *)&hi;
-    *(uint2 *)p = u;
+/* Four consecutive elements <-> four floats in one 16-byte (fp32) / 8-byte (16-bit) access. */
+__device__ __forceinline__ void load4_f32(const float *p, float (&v)[4]) {
+    const float4 x = *(const float4 *)p;
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
 }
-__device__ __forceinline__ void store4(__half *p, const float v[4]) {
-    __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
-    uint2 u;
-    u.x = *(uint32_t *)&lo;
-    u.y = *(uint32_t *)&hi;
-    *(uint2 *)p = u;
+__device__ __forceinline__ void store4_f32(float *p, const float (&v)[4]) { *(float4 *)p = make_float4(v[0], v[1], v[2], v[3]); }
+template <typename T>
+__device__ __forceinline__ void store4_f32(T *p, const float (&v)[4]) {
+    store2_f32(p, make_float2(v[0], v[1]));
+    store2_f32(p + 2, make_float2(v[2], v[3]));
 }
 
 /* grid.x covers 4 columns per thread, grid.y strides over rows. VEC: rows of logits and dlogits
- * allow 16-byte (fp32) / 8-byte (16-bit) accesses at every multiple of 4 columns. */
-template <typename OutT, bool VEC>
-__global__ void linear_logp_dlogits_kernel(rlk_linear_logp_dlogits_args a) {
+ * allow vector accesses at every multiple of 4 columns. z = logits + bias in one fp32 rounding (what
+ * a GEMM epilogue with C = bias, or the fused SM90 kernel, forms), then dlogit_value. */
+template <typename T, bool VEC>
+__global__ void linear_logp_dz_kernel(rlk_linear_logp_dlogits_args a) {
     const int64_t c0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (c0 >= a.cols) return;
-    OutT *out_base = (OutT *)a.dlogits;
+    const T *bias = (const T *)a.bias;
+    const int n_cols = (int)min((int64_t)4, a.cols - c0);
     for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
-        const float *z = a.logits + r * a.ld_logits + c0;
-        OutT *out = out_base + r * a.ld_dlogits + c0;
+        const float *logits = a.logits + r * a.ld_logits + c0;
+        T *out = (T *)a.dlogits + r * a.ld_dlogits + c0;
         const int64_t t = a.target[r];
-        const int n_cols = (int)min((int64_t)4, a.cols - c0);
-        float d[4];
-        if (t == a.ignore_index) {
-            d[0] = d[1] = d[2] = d[3] = 0.0f;
-        } else {
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (t != a.ignore_index) {
             const float g_logp = a.grad_logp != nullptr ? a.grad_logp[r] : 0.0f;
             const float g_ent = a.grad_entropy != nullptr ? a.grad_entropy[r] : 0.0f;
             const float lse = a.lse[r];
             const float ent = a.entropy != nullptr ? a.entropy[r] : 0.0f;
             const int64_t t_rel = t - a.v0 - c0;
-            float zv[4];
+            float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (VEC && n_cols == 4) {
-                const float4 v = *(const float4 *)z;
-                zv[0] = v.x, zv[1] = v.y, zv[2] = v.z, zv[3] = v.w;
+                load4_f32(logits, z);
             } else {
 #pragma unroll
-                for (int j = 0; j < 4; ++j) zv[j] = j < n_cols ? z[j] : 0.0f;
+                for (int j = 0; j < 4; ++j)
+                    if (j < n_cols) z[j] = logits[j];
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                d[j] = dlogit_value(zv[j], a.inv_temperature, lse, ent, g_logp, g_ent, t_rel == j);
+            for (int j = 0; j < 4; ++j) {
+                if (bias != nullptr && j < n_cols) z[j] = __fadd_rn(z[j], to_f32(bias[c0 + j]));
+                d[j] = dlogit_value(z[j], a.inv_temperature, lse, ent, g_logp, g_ent, t_rel == j);
+            }
         }
         if (VEC && n_cols == 4) {
-            store4(out, d);
+            store4_f32(out, d);
         } else {
-            for (int j = 0; j < n_cols; ++j) out[j] = float_to_out<OutT>(d[j]);
+            for (int j = 0; j < n_cols; ++j) from_f32(out + j, d[j]);
         }
     }
 }
 
-template <typename OutT>
-static cudaError_t launch_dlogits(const rlk_linear_logp_dlogits_args *a, cudaStream_t stream) {
+template <typename T>
+static int launch_dz(const rlk_linear_logp_dlogits_args *a, cudaStream_t stream) {
     const int threads = 256;
-    const int64_t out_align = sizeof(OutT) * 4;
     const bool vec = ((uintptr_t)a->logits % 16 == 0) && (a->ld_logits % 4 == 0) &&
-                     ((uintptr_t)a->dlogits % out_align == 0) && (a->ld_dlogits % 4 == 0);
+                     ((uintptr_t)a->dlogits % (4 * sizeof(T)) == 0) && (a->ld_dlogits % 4 == 0);
     const dim3 grid((unsigned)((a->cols + threads * 4 - 1) / (threads * 4)), (unsigned)(a->rows < 65535 ? a->rows : 65535));
     if (vec)
-        linear_logp_dlogits_kernel<OutT, true><<<grid, threads, 0, stream>>>(*a);
+        linear_logp_dz_kernel<T, true><<<grid, threads, 0, stream>>>(*a);
     else
-        linear_logp_dlogits_kernel<OutT, false><<<grid, threads, 0, stream>>>(*a);
-    return cudaGetLastError();
+        linear_logp_dz_kernel<T, false><<<grid, threads, 0, stream>>>(*a);
+    return (int)cudaGetLastError();
 }
 
-extern "C" int rlk_linear_logp_dlogits_cuda(const rlk_linear_logp_dlogits_args *args, void *stream) {
-    cudaStream_t s = (cudaStream_t)stream;
-    cudaError_t err;
-    switch (args->out_dtype) {
-    case RLK_F32: err = launch_dlogits<float>(args, s); break;
-    case RLK_BF16: err = launch_dlogits<__nv_bfloat16>(args, s); break;
-    case RLK_F16: err = launch_dlogits<__half>(args, s); break;
-    default: return RLK_UNSUPPORTED;
-    }
-    return (int)err;
+extern "C" int rlk_linear_logp_dz_sm80(const rlk_linear_logp_dlogits_args *args, rlk_context *ctx) {
+    if (args->logits == nullptr || (args->dtype != RLK_F32 && args->dtype != RLK_BF16 && args->dtype != RLK_F16))
+        return RLK_UNSUPPORTED;
+    ctx->kernel = "linear_logp_dz_sm80";
+    if (ctx->plan_only) return RLK_OK;
+    const cudaStream_t s = (cudaStream_t)ctx->stream;
+    if (args->dtype == RLK_F32) return launch_dz<float>(args, s);
+    return args->dtype == RLK_BF16 ? launch_dz<__nv_bfloat16>(args, s) : launch_dz<__half>(args, s);
 }

@@ -1,0 +1,619 @@
+/* cuda/sm90/gemm_kernel.cuh: the Hopper (sm_90a) warp-specialized wgmma GEMM main loop, shared by the
+ * GEMM (sm90/gemm.cu) and the fused linear_logp kernels (sm90/linear_logp.cu), which differ only in
+ * what an Epilogue policy does with the fp32 tiles.
+ *
+ * Tile plan. A persistent grid (one CTA per SM) walks work units in a grouped order that keeps a band
+ * of A rows and B columns hot in L2; a unit is Epilogue::TILES_PER_UNIT output tiles of BM x BN in a
+ * row (1 for a GEMM). Warpgroup 0 is the producer: one thread issues TMA loads (cp.async.bulk.tensor,
+ * 128-byte swizzle, zero fill out of bounds) of BK = 64 wide k-slices of A and B into a ring of STAGES
+ * shared-memory buffers that complete on mbarriers. Each consumer warpgroup owns 64 rows of the tile
+ * and multiplies them with wgmma.m64nBNk16 (fp32 accumulators in registers, both operands read from
+ * shared memory through descriptors whose transpose bits cover K-major and MN-major A and B); with
+ * CLUSTER = 2, two CTAs on vertically adjacent tiles each load half of the shared B tile, multicast to
+ * both. After each tile's k loop the Epilogue takes the accumulators: store_tiles forms
+ * value(acc, C) in fp32 and stores with row/column predicates or, in the 2-consumer configs when out is
+ * 16-byte aligned with a 16-byte multiple row stride, through two small shared-memory buffers per
+ * consumer handed to TMA stores (store_tile_tma), so the consumers return to the next tile's wgmmas
+ * without waiting on global stores.
+ *
+ * Batch invariance. Every output element is produced by the same instruction sequence whatever the
+ * tile config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
+ * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
+ * filled by TMA, adding exact zeros), then the epilogue's explicitly rounded fp32 operations. The wgmma
+ * N width (256 to 16), the row offset inside the tile, the cluster, the operand base alignment (shifted
+ * TMA coordinates load the same elements) and the store path do not change an element's arithmetic.
+ * No split-K, no atomics. The per-op proofs are the GPU tests named in sm90/gemm.cu and
+ * sm90/linear_logp.cu.
+ *
+ * Build: part of csrc/cuda/sm90/gemm.cu and linear_logp.cu (see there).
+ */
+#ifndef RLK_CUDA_SM90_GEMM_KERNEL_CUH_
+#define RLK_CUDA_SM90_GEMM_KERNEL_CUH_
+
+#include <cudaTypedefs.h>
+#include <string.h>
+
+#include "../../ops/gemm.h"
+#include "ptx.cuh"
+#include "wgmma.cuh"
+
+#define BK 64                 /* k-slice per stage: 64 16-bit elements = one 128-byte swizzle row */
+#define GROUP_M 16            /* work order: bands of GROUP_M row tiles sweep all column units in turn */
+#define SMEM_ALIGN 1024       /* 128-byte swizzle atoms repeat every 8 rows x 128 bytes */
+#define EPI_BOX_BYTES (64 * 128)
+
+typedef struct gemm_sm90_params {
+    int M, N, k_tiles;
+    int m_tiles;
+    int n_units;                              /* column work units of Epilogue::TILES_PER_UNIT tiles */
+    int col_tiles;                            /* column tiles in all */
+    int a_shift, b_shift;                     /* elements from the 16-byte aligned base to A / B */
+    uint32_t a_box_bytes;                     /* bytes one stage's A loads bring (box rows may be < BM) */
+    const void *c;
+    int64_t ldc;
+    void *out;
+    int64_t ldo;
+    float alpha, beta;
+    int c_pairs_aligned, out_pairs_aligned;  /* 2-element vector access allowed for C / out */
+    int tma_store;                            /* store through shared memory + TMA (map_out is valid) */
+} gemm_sm90_params;
+
+/* ------------------------------------ storing epilogues ------------------------------------- */
+
+/* The value stored for an accumulator element, as a function object called with (acc, c, has_c, h, col):
+ * h picks the thread's row (0: 16w + l/4, 1: + 8), col is the output column; make() builds it for the
+ * consumer's 64 rows at row0 before the tile's k loop. */
+
+/* The GEMM's value: alpha * acc + beta * c, formed the same way (explicit rounding ops, no contraction
+ * choices) for every element and config. */
+struct gemm_value {
+    struct Params {};
+    float alpha, beta;
+    static __device__ __forceinline__ gemm_value make(int, const gemm_sm90_params &p, const Params &) {
+        return gemm_value{p.alpha, p.beta};
+    }
+    __device__ __forceinline__ float operator()(float acc, float c, bool has_c, int, int) const {
+        return has_c ? __fmaf_rn(alpha, acc, __fmul_rn(beta, c)) : __fmul_rn(alpha, acc);
+    }
+};
+
+/* Forms the values to store, in place: d = value(acc, C) over the consumer warpgroup's 64 x BN block.
+ * wgmma's fp32 accumulator layout: thread t (warp w = t / 32, lane l) holds, for j < BN/8, rows
+ * 16w + l/4 (+8) and columns 8j + 2(l%4) (+1) in d[4j .. 4j+3].
+ * C loads: a block inside M x N with pair-aligned C takes a branch-free path that issues them in batches
+ * of 2 x C_BATCH pairs before using any; per-element predicates put each load in its own branch, and the
+ * one L2 round trip per load that this cost made an fp32 beta = 1 GEMM take 1.5x the time of beta = 0. */
+#define C_BATCH 16
+template <int BN, typename OutT, class Value>
+__device__ __forceinline__ void apply_epilogue(float (&d)[BN / 2], int row0, int col0, const gemm_sm90_params &p,
+                                               const Value &value) {
+    const int t = threadIdx.x % 128;
+    const int row_base = row0 + 16 * (t / 32) + (t % 32) / 4;
+    const int col_base = col0 + 2 * (t % 4);
+    const OutT *c = (const OutT *)p.c;
+    const bool has_c = c != nullptr;
+    if (has_c && p.c_pairs_aligned && row0 + 64 <= p.M && col0 + BN <= p.N) {
+        constexpr int BATCH = BN / 8 < C_BATCH ? BN / 8 : C_BATCH;
+        const OutT *c_rows[2] = {c + (int64_t)row_base * p.ldc + col_base, c + (int64_t)(row_base + 8) * p.ldc + col_base};
+#pragma unroll
+        for (int j0 = 0; j0 < BN / 8; j0 += BATCH) {
+            float2 cv[2][BATCH];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int jj = 0; jj < BATCH; ++jj) cv[h][jj] = load2_f32(c_rows[h] + 8 * (j0 + jj));
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int jj = 0; jj < BATCH; ++jj) {
+                    const int j = j0 + jj, col = col_base + 8 * j;
+                    d[4 * j + 2 * h] = value(d[4 * j + 2 * h], cv[h][jj].x, true, h, col);
+                    d[4 * j + 2 * h + 1] = value(d[4 * j + 2 * h + 1], cv[h][jj].y, true, h, col + 1);
+                }
+        }
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_base + 8 * h;
+        const OutT *c_row = (has_c && row < p.M) ? c + (int64_t)row * p.ldc : nullptr;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int col = col_base + 8 * j;
+            float2 cv = make_float2(0.f, 0.f);
+            if (c_row != nullptr) {
+                if (p.c_pairs_aligned && col + 1 < p.N) {
+                    cv = load2_f32(c_row + col);
+                } else {
+                    if (col < p.N) cv.x = to_f32(c_row[col]);
+                    if (col + 1 < p.N) cv.y = to_f32(c_row[col + 1]);
+                }
+            }
+            d[4 * j + 2 * h] = value(d[4 * j + 2 * h], cv.x, has_c, h, col);
+            d[4 * j + 2 * h + 1] = value(d[4 * j + 2 * h + 1], cv.y, has_c, h, col + 1);
+        }
+    }
+}
+
+/* Stores the block formed by apply_epilogue from registers, with row/column predicates. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row0, int col0, const gemm_sm90_params &p) {
+    const int t = threadIdx.x % 128;
+    const int row_base = row0 + 16 * (t / 32) + (t % 32) / 4;
+    const int col_base = col0 + 2 * (t % 4);
+    OutT *out = (OutT *)p.out;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_base + 8 * h;
+        if (row >= p.M) continue;
+        OutT *out_row = out + (int64_t)row * p.ldo;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int col = col_base + 8 * j;
+            if (col + 1 < p.N && p.out_pairs_aligned) {
+                store2_f32(out_row + col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
+            } else {
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (col + e < p.N) from_f32(out_row + col + e, d[4 * j + 2 * h + e]);
+            }
+        }
+    }
+}
+
+/* Epilogue through shared memory (2-consumer GEMM configs, out 16-byte aligned with a 16-byte multiple
+ * row stride): the block formed by apply_epilogue goes out in rounds of 64 rows x 128 bytes. Each round the
+ * threads write their values into one of two 8 KB buffers in the TMA's 128-byte swizzle (16-byte chunk q
+ * of row r at chunk q ^ (r % 8): a warp's 8 rows x 16 bytes hit all 32 banks once), and one thread issues
+ * a TMA store of the box, which clips the M/N tails. The consumers then return to the next tile's wgmmas
+ * while the copy engine writes global memory; a buffer is rewritten only after the store issued two rounds
+ * earlier has finished reading it (tiles with an even number of rounds start at buffer 0; with one round,
+ * every tile uses buffer 0 after the previous tile's store). Same rounding as store_tile. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row0, int col0,
+                                               const CUtensorMap *map_out, uint32_t epi_smem, uint32_t barrier_id) {
+    constexpr int ROUND_COLS = 128 / (int)sizeof(OutT);
+    constexpr int ROUNDS = BN / ROUND_COLS;
+    constexpr int PENDING = ROUNDS % 2 == 0 ? 1 : 0;  /* stores that may still read the other buffer */
+    static_assert(ROUNDS % 2 == 0 || ROUNDS == 1, "buffer parity must restart with each tile");
+    const int t = threadIdx.x % 128, lane = t % 32;
+    const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h; tile_row % 8 == lane / 4 */
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const uint32_t buf = epi_smem + (r % 2) * EPI_BOX_BYTES;
+        if (t == 0) bulk_wait_read<PENDING>();
+        warpgroup_sync(barrier_id);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int jj = 0; jj < ROUND_COLS / 8; ++jj) {
+                const int j = r * (ROUND_COLS / 8) + jj;
+                const int byte = (8 * jj + 2 * (lane % 4)) * (int)sizeof(OutT);
+                const uint32_t addr = buf + (tile_row + 8 * h) * 128 + (((byte / 16) ^ (lane / 4)) * 16) + byte % 16;
+                st_shared_pair(addr, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), (OutT *)nullptr);
+            }
+        }
+        fence_proxy_async_smem();
+        warpgroup_sync(barrier_id);
+        if (t == 0) {
+            tma_store_2d(map_out, buf, col0 + r * ROUND_COLS, row0);
+            bulk_commit();
+        }
+    }
+}
+
+
+/* Where a consumer's stores go: the out tensor map and this consumer's shared-memory buffers. */
+struct tile_store {
+    const CUtensorMap *map_out;
+    uint32_t epi_smem, barrier_id;
+};
+
+/* ------------------------------------ Epilogue policies ------------------------------------- */
+/* An Epilogue policy says what the consumers do with the fp32 accumulators of each work unit:
+ *   TILES_PER_UNIT  tiles per work unit, walked in increasing column order
+ *   CHAIN           k-slices per fresh wgmma chain (0: one chain over K; see mma_tile)
+ *   STORES_TILES    the tiles are stored to `out` of type OutT (gives the kernel TMA-store buffers)
+ *   Params          its own kernel parameters
+ *   begin(row0, p, ep) -> unit state, before the unit's first k loop
+ *   tile<BN, BF16, TMA_STORE>(d, unit, row0, col0, p, ep, store), after each tile's k loop
+ *   end(unit, row0, n_unit, p, ep), after the unit's last tile. */
+
+/* Tiles of value(acc, C) stored to out (OutT): the GEMM (Value = gemm_value) and the linear_logp
+ * backward's fused dz (Value = dlogits_value, sm90/linear_logp.cu). */
+template <typename OutType, class Value>
+struct store_tiles {
+    using OutT = OutType;
+    using Params = typename Value::Params;
+    static constexpr int TILES_PER_UNIT = 1, CHAIN = 0;
+    static constexpr bool STORES_TILES = true;
+    static __device__ __forceinline__ Value begin(int row0, const gemm_sm90_params &p, const Params &ep) {
+        return Value::make(row0, p, ep);
+    }
+    template <int BN, bool BF16, bool TMA_STORE>
+    static __device__ __forceinline__ void tile(float (&d)[BN / 2], const Value &value, int row0, int col0,
+                                                const gemm_sm90_params &p, const Params &, const tile_store &store) {
+        apply_epilogue<BN, OutT>(d, row0, col0, p, value);
+        if constexpr (TMA_STORE) {
+            if (p.tma_store) {
+                store_tile_tma<BN, OutT>(d, row0, col0, store.map_out, store.epi_smem, store.barrier_id);
+                return;
+            }
+        }
+        store_tile<BN, OutT>(d, row0, col0, p);
+    }
+    static __device__ __forceinline__ void end(const Value &, int, int, const gemm_sm90_params &, const Params &) {}
+};
+
+/* ------------------------------------ main loop --------------------------------------------- */
+
+/* Work index -> (row tile, column work unit). A work item is CLUSTER vertically adjacent row tiles (one
+ * per CTA of the cluster, sharing the B tiles); bands of GROUP_M row tiles sweep all column units in turn. */
+template <int CLUSTER>
+__device__ __forceinline__ void work_coords(int work, int m_groups, int n_units, int cta_rank, int *m_blk,
+                                            int *n_unit) {
+    constexpr int band = GROUP_M / CLUSTER;
+    const int band_size = band * n_units;
+    const int first = (work / band_size) * band;
+    const int rows = min(m_groups - first, band);
+    const int local = work % band_size;
+    *m_blk = (first + local % rows) * CLUSTER + cta_rank;
+    *n_unit = local / rows;
+}
+
+/* two epilogue buffers per consumer for the 2-consumer kernels that store their tiles (store_tile_tma) */
+template <int CONSUMERS, class Epilogue>
+__host__ __device__ constexpr int epi_buffers() {
+    return CONSUMERS == 2 && Epilogue::STORES_TILES ? 2 * CONSUMERS : 0;
+}
+
+template <int BN, int CONSUMERS, int STAGES, class Epilogue>
+constexpr int gemm_sm90_smem_bytes() {
+    return STAGES * (64 * CONSUMERS + BN) * BK * 2 + epi_buffers<CONSUMERS, Epilogue>() * EPI_BOX_BYTES + SMEM_ALIGN +
+           2 * STAGES * 8;
+}
+
+/* Frees a stage for the producers of this CTA and, with clusters, of the peer CTA (whose producer wrote
+ * half of this stage's B tile). */
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(uint32_t bar, int cta_rank) {
+    mbar_arrive(bar);
+    if constexpr (CLUSTER == 2) mbar_arrive_cluster(bar, cta_rank ^ 1);
+}
+
+/* Issues the four k16 wgmmas of the k-slice in stage s into d (accumulate = 0: the first one starts d
+ * from zero) as one commit group. */
+template <int BN, int CONSUMERS, bool A_MN, bool B_MN, bool BF16>
+__device__ __forceinline__ void issue_k_slice(float (&d)[BN / 2], int s, uint32_t a_rows, uint32_t b_smem,
+                                              int accumulate) {
+    constexpr uint32_t A_STAGE = 64 * CONSUMERS * BK * 2, B_STAGE = BN * BK * 2;
+    constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
+    constexpr uint32_t A_K16 = A_MN ? 16 * 128 : 32;  /* byte step per k16 inside a stage */
+    constexpr uint32_t B_K16 = B_MN ? 16 * 128 : 32;
+    constexpr uint32_t A_LBO = A_MN ? MN_BOX : 16, B_LBO = B_MN ? MN_BOX : 16;
+    wgmma_fence();
+    fence_accumulators(d);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        const uint64_t da = smem_desc(a_rows + s * A_STAGE + kk * A_K16, A_LBO, 1024);
+        const uint64_t db = smem_desc(b_smem + s * B_STAGE + kk * B_K16, B_LBO, 1024);
+        wgmma_k16<BN, BF16, A_MN, B_MN>(d, da, db, kk > 0 || accumulate);
+    }
+    wgmma_commit();
+    fence_accumulators(d);
+}
+
+/* One consumer warpgroup's k loop over one tile: d = its 64 rows (A at a_rows) times the BN columns.
+ * it counts k-slices through the stage ring across tiles; each stage is freed once the wgmmas reading it
+ * are done, keeping one k-slice of wgmmas in flight while waiting for the previous one.
+ * CHAIN = 0 (GEMM): every k16 step accumulates into d.
+ * CHAIN = c > 0 (linear_logp): every c consecutive 64-wide k-slices form a fresh wgmma chain from zero,
+ * added into d with a round-to-nearest fp32 FADD. The tensor cores' accumulator adds truncate, which over
+ * one 4096-long chain gave 3.2e-4 logp error at logits up to ~50 (docs/perf-notes.md); chains
+ * of 1, 2 or 4 slices gave ~2e-5, and 4 hides the FADDs (a chain per slice cost 25% of the time).
+ * Every order here depends on K alone. */
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, int CHAIN>
+__device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_tiles, int &it, uint32_t a_rows, uint32_t b_smem,
+                                         uint32_t full_bar, uint32_t empty_bar, int cta_rank) {
+    const bool warp_leader = threadIdx.x % 32 == 0;
+    float chain[CHAIN > 0 ? BN / 2 : 1];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    bool prev_busy = false;  /* the previous k-slice's stage still awaits release */
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % STAGES;
+        mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
+        if constexpr (CHAIN > 0) issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain, s, a_rows, b_smem, kt % CHAIN != 0);
+        else issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(d, s, a_rows, b_smem, 1);
+        /* keep this k-slice's wgmmas in flight; the previous one's are done -> free its stage */
+        wgmma_wait<1>();
+        if (prev_busy && warp_leader) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
+        prev_busy = true;
+        if constexpr (CHAIN > 0) {
+            if (kt % CHAIN == CHAIN - 1 || kt == k_tiles - 1) {
+                wgmma_wait<0>();
+                fence_accumulators(chain);
+                if (warp_leader) release_stage<CLUSTER>(empty_bar + 8 * s, cta_rank);
+                prev_busy = false;
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) d[i] = __fadd_rn(d[i], chain[i]);
+            }
+        }
+    }
+    /* unconditional: a wgmma wait inside a branch made ptxas serialize every wgmma (C7518) */
+    wgmma_wait<0>();
+    fence_accumulators(d);
+    if (prev_busy && warp_leader) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
+}
+
+/* A_MN: A is MN-major in memory (a_trans = 1); B_MN: B is MN-major (b_trans = 0). CLUSTER = 2: the two
+ * CTAs of a cluster compute vertically adjacent tiles and each loads half of the shared B tile,
+ * multicast into both, which halves B's L2 -> SM traffic. Epilogue: what the consumers do with each
+ * unit's tiles (see "Epilogue policies" above). */
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, class Epilogue>
+__global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
+gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                 const __grid_constant__ CUtensorMap map_out, const gemm_sm90_params p,
+                 const typename Epilogue::Params ep) {
+    constexpr int BM = 64 * CONSUMERS;
+    constexpr int TILES_PER_UNIT = Epilogue::TILES_PER_UNIT;
+    constexpr bool TMA_EPILOGUE = epi_buffers<CONSUMERS, Epilogue>() > 0;
+    constexpr uint32_t A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2;
+    constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
+    const uint32_t a_smem = smem, b_smem = smem + STAGES * A_STAGE;
+    const uint32_t epi_smem = b_smem + STAGES * B_STAGE;  /* 1024-aligned: stage sizes are multiples of 1 KB */
+    const uint32_t full_bar = epi_smem + epi_buffers<CONSUMERS, Epilogue>() * EPI_BOX_BYTES;
+    const uint32_t empty_bar = full_bar + STAGES * 8;
+    const int cta_rank = CLUSTER == 1 ? 0 : (int)cluster_ctarank();
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 1);
+            /* lane 0 of every consumer warp of every CTA reading the stage's B tile */
+            mbar_init(empty_bar + 8 * s, 4 * CONSUMERS * CLUSTER);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if constexpr (CLUSTER == 1) __syncthreads();
+    else cluster_sync();
+
+    const int warpgroup = threadIdx.x / 128;
+    const int m_groups = (p.m_tiles + CLUSTER - 1) / CLUSTER;
+    const int num_work = m_groups * p.n_units;
+    const int first_work = blockIdx.x / CLUSTER, work_stride = gridDim.x / CLUSTER;
+
+    if (warpgroup == 0) {
+        /* producer: one thread keeps the ring full across tiles */
+        if constexpr (CONSUMERS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) {
+            int it = 0;
+            for (int work = first_work; work < num_work; work += work_stride) {
+                int m_blk, n_unit;
+                work_coords<CLUSTER>(work, m_groups, p.n_units, cta_rank, &m_blk, &n_unit);
+                const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
+                for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
+                    for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
+                        const int s = it % STAGES;
+                        mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
+                        const uint32_t bar = full_bar + 8 * s;
+                        mbar_arrive_expect_tx(bar, p.a_box_bytes + B_STAGE);
+                        if constexpr (A_MN) {
+                            for (int j = 0; j < BM / 64; ++j)
+                                tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j + p.a_shift,
+                                            kt * BK, bar);
+                        } else {
+                            tma_load_2d(a_smem + s * A_STAGE, &map_a, kt * BK + p.a_shift, m_blk * BM, bar);
+                        }
+                        const uint32_t b_dst = b_smem + s * B_STAGE;
+                        if constexpr (CLUSTER == 1) {
+                            if constexpr (B_MN) {
+                                for (int j = 0; j < BN / 64; ++j)
+                                    tma_load_2d(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j + p.b_shift, kt * BK, bar);
+                            } else {
+                                tma_load_2d(b_dst, &map_b, kt * BK + p.b_shift, n_blk * BN, bar);
+                            }
+                        } else {
+                            /* this CTA's half of the B tile, into both CTAs */
+                            constexpr int HALF = BN / 2;
+                            if constexpr (B_MN) {
+                                for (int j = cta_rank * HALF / 64; j < (cta_rank + 1) * HALF / 64; ++j)
+                                    tma_load_2d_multicast(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j + p.b_shift,
+                                                          kt * BK, bar, 0x3);
+                            } else {
+                                tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, kt * BK + p.b_shift,
+                                                      n_blk * BN + cta_rank * HALF, bar, 0x3);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    } else {
+        /* consumer warpgroup c: rows 64c .. 64c+63 of each tile */
+        if constexpr (CONSUMERS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int c = warpgroup - 1;
+        /* K-major: 64 rows of 128 bytes; MN-major: one 64 x BK box. Both are 8 KB per 64 rows. */
+        const uint32_t a_rows = a_smem + c * 64 * BK * 2;
+        float d[BN / 2];
+        int it = 0;
+        for (int work = first_work; work < num_work; work += work_stride) {
+            int m_blk, n_unit;
+            work_coords<CLUSTER>(work, m_groups, p.n_units, cta_rank, &m_blk, &n_unit);
+            const int row0 = m_blk * BM + 64 * c;
+            const tile_store store{&map_out, epi_smem + c * 2 * EPI_BOX_BYTES, 1u + c};
+            auto unit = Epilogue::begin(row0, p, ep);  /* per-row data, loaded before the k loop */
+            if constexpr (TILES_PER_UNIT == 1) {
+                /* no loop state: with it the 256-wide dz kernel spilled */
+                mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
+                    d, p.k_tiles, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
+                Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_unit * BN, p, ep, store);
+            } else {
+                const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
+                for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
+                    mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
+                        d, p.k_tiles, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
+                    Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_blk * BN, p, ep, store);
+                }
+            }
+            Epilogue::end(unit, row0, n_unit, p, ep);
+        }
+        /* the last stores must finish reading shared memory before the CTA exits */
+        if (TMA_EPILOGUE && p.tma_store && threadIdx.x % 128 == 0) bulk_wait_all();
+    }
+    /* the peer CTA may still arrive on this CTA's barriers: leave together */
+    if constexpr (CLUSTER == 2) {
+        __syncwarp();
+        cluster_sync();
+    }
+}
+
+/* ------------------------------------ host side --------------------------------------------- */
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point, so nothing links libcuda. */
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        void *fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    return encode;
+}
+
+/* Map over a [outer, inner] matrix (inner contiguous, rows row_bytes apart), 128-byte swizzled boxes of
+ * box_inner x box_outer elements; out-of-bounds elements read as zero (loads) or are skipped (stores). */
+static bool make_tensor_map(CUtensorMap *map, CUtensorMapDataType dtype, const void *base, int64_t inner,
+                            int64_t outer, int64_t row_bytes, int box_inner, int box_outer) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (!encode) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)inner, (cuuint64_t)outer};
+    const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t box[2] = {(cuuint32_t)box_inner, (cuuint32_t)box_outer};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    return encode(map, dtype, 2, (void *)base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Builds the tensor maps and launches gemm_sm90_kernel for the product args describes (A, B, out), with
+ * p's epilogue fields (C, alpha, beta) filled by the caller. A or B whose base is not 16-byte aligned
+ * (TMA's rule) is addressed from the aligned address below it with its inner coordinates shifted, so
+ * the loads bring exactly the same elements as for an aligned copy. */
+template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, class Epilogue>
+static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const typename Epilogue::Params &ep,
+                            int device, int num_sms, cudaStream_t stream) {
+    using OutT = typename Epilogue::OutT;
+    constexpr int BM = 64 * CONSUMERS;
+    /* K-major A with a single 64-row tile: load only the rows that exist (rounded up to 8); the rows past
+     * the box keep stale shared memory, which only reaches accumulator rows that are never stored. */
+    const int a_rows = (!A_MN && BM == 64 && args->M < 64) ? (int)((args->M + 7) / 8 * 8) : BM;
+    p.a_box_bytes = A_MN ? BM * BK * 2 : a_rows * BK * 2;
+    const CUtensorMapDataType in_type = BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    CUtensorMap map_a, map_b, map_out;
+    memset(&map_a, 0, sizeof(map_a));
+    memset(&map_b, 0, sizeof(map_b));
+    memset(&map_out, 0, sizeof(map_out));
+    p.a_shift = (int)((uintptr_t)args->a % 16 / 2);
+    p.b_shift = (int)((uintptr_t)args->b % 16 / 2);
+    if (args->K > 0) {
+        const void *a = (const char *)args->a - 2 * p.a_shift, *b = (const char *)args->b - 2 * p.b_shift;
+        const bool ok_a = A_MN ? make_tensor_map(&map_a, in_type, a, args->M + p.a_shift, args->K, args->lda * 2, 64, BK)
+                               : make_tensor_map(&map_a, in_type, a, args->K + p.a_shift, args->M, args->lda * 2, BK, a_rows);
+        const bool ok_b = B_MN ? make_tensor_map(&map_b, in_type, b, args->N + p.b_shift, args->K, args->ldb * 2, 64, BK)
+                               : make_tensor_map(&map_b, in_type, b, args->K + p.b_shift, args->N, args->ldb * 2, BK,
+                                                 BN / CLUSTER);
+        if (!ok_a || !ok_b) return RLK_UNSUPPORTED;
+    }
+    /* out as [M rows, N columns] in boxes of 64 rows x 128 bytes (store_tile_tma); else the register path */
+    p.tma_store = 0;
+    if (epi_buffers<CONSUMERS, Epilogue>() > 0 && (uintptr_t)args->out % 16 == 0 &&
+        (args->ldo * (int64_t)sizeof(OutT)) % 16 == 0 && args->ldo * (int64_t)sizeof(OutT) < (1ll << 40)) {
+        const CUtensorMapDataType out_type = sizeof(OutT) == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : in_type;
+        p.tma_store = make_tensor_map(&map_out, out_type, args->out, args->N, args->M, args->ldo * (int64_t)sizeof(OutT),
+                                      128 / (int)sizeof(OutT), 64);
+    }
+    auto kernel = gemm_sm90_kernel<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue>;
+    constexpr int smem_bytes = gemm_sm90_smem_bytes<BN, CONSUMERS, STAGES, Epilogue>();
+    static_assert(smem_bytes <= 227 * 1024, "shared memory");
+
+    cudaLaunchConfig_t config;
+    memset(&config, 0, sizeof(config));
+    cudaLaunchAttribute cluster_attr;
+    cluster_attr.id = cudaLaunchAttributeClusterDimension;
+    cluster_attr.val.clusterDim.x = CLUSTER;
+    cluster_attr.val.clusterDim.y = 1;
+    cluster_attr.val.clusterDim.z = 1;
+    config.blockDim = dim3((CONSUMERS + 1) * 128);
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    config.attrs = &cluster_attr;
+    config.numAttrs = 1;
+
+    /* once per device and instantiation: raise the shared-memory limit, count co-resident clusters */
+    static uint64_t configured_devices = 0;
+    static int max_clusters[64];
+    if (device >= 64) return RLK_UNSUPPORTED;
+    if (!(configured_devices & (1ull << device))) {
+        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        if (err != cudaSuccess) return (int)err;
+        int clusters = num_sms / CLUSTER;
+        if (CLUSTER > 1) {
+            config.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
+            if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1)
+                clusters = num_sms / CLUSTER;
+            cudaGetLastError();
+        }
+        max_clusters[device] = clusters;
+        configured_devices |= 1ull << device;
+    }
+    p.m_tiles = (int)((args->M + BM - 1) / BM);
+    p.col_tiles = (int)((args->N + BN - 1) / BN);
+    p.n_units = (p.col_tiles + Epilogue::TILES_PER_UNIT - 1) / Epilogue::TILES_PER_UNIT;
+    const int work = (p.m_tiles + CLUSTER - 1) / CLUSTER * p.n_units;
+    config.gridDim = dim3((work < max_clusters[device] ? work : max_clusters[device]) * CLUSTER);
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, p, ep);
+    return err == cudaSuccess ? RLK_OK : (int)err;
+}
+
+
+/* The row stride TMA can describe (a multiple of 16 bytes, below 2^40); the base may have any 2-byte
+ * alignment (launch_gemm_sm90 shifts the coordinates). */
+static inline bool tma_row_stride_ok(int64_t ld) { return ld > 0 && (ld * 2) % 16 == 0 && ld * 2 < (1ll << 40); }
+
+static inline bool pairs_aligned(const void *ptr, int64_t ld, int elem_bytes) {
+    return ((uintptr_t)ptr % (2 * elem_bytes) == 0) && (ld % 2 == 0);
+}
+
+/* The kernel parameters of the product args describes, epilogue fields (C, out, alpha, beta) included;
+ * launch_gemm_sm90 fills in the tiling. */
+static inline gemm_sm90_params gemm_params(const rlk_gemm_args *args) {
+    const int out_bytes = args->out_dtype == RLK_F32 ? 4 : 2;
+    gemm_sm90_params p;
+    memset(&p, 0, sizeof(p));
+    p.M = (int)args->M;
+    p.N = (int)args->N;
+    p.k_tiles = (int)((args->K + BK - 1) / BK);
+    p.c = args->c;
+    p.ldc = args->ldc;
+    p.out = args->out;
+    p.ldo = args->ldo;
+    p.alpha = args->alpha;
+    p.beta = args->beta;
+    p.c_pairs_aligned = args->c != nullptr && pairs_aligned(args->c, args->ldc, out_bytes);
+    p.out_pairs_aligned = pairs_aligned(args->out, args->ldo, out_bytes);
+    return p;
+}
+
+/* The current device and its SM count (the persistent grids are sized by it). */
+static inline cudaError_t current_device(int *device, int *num_sms) {
+    cudaError_t err = cudaGetDevice(device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, *device);
+    return err;
+}
+
+#endif /* RLK_CUDA_SM90_GEMM_KERNEL_CUH_ */

@@ -1,0 +1,293 @@
+/* sm90/linear_logp.cu: the fused linear_logp kernels on Hopper (contract: csrc/ops/linear_logp.h), on the
+ * wgmma main loop of gemm_kernel.cuh.
+ *
+ * Forward (linear_logp_fwd): the product hidden [N, D] @ weight[V, D]^T on 128 x 192 tiles (2 consumers,
+ * 5 stages, 2-CTA clusters with B multicast), each k-slice group of LOGP_CHAIN = 4 (256 of D) a fresh
+ * wgmma chain added into the logits with an fp32 FADD (mma_tile: the tensor cores' accumulator adds
+ * truncate, 3.2e-4 logp error over D = 4096 with one long chain, 2e-5 with these). A work unit is
+ * (128-row tile, vocabulary split of LOGP_SPLIT_COLS = 768 columns = 4 tiles walked in increasing
+ * order); instead of storing a tile, each consumer folds it into per-row online-softmax states (max,
+ * sum 2^(x - max), sum 2^(x - max) (x - max), target logit, log2 units) held in registers, written as one
+ * float4 per (split, row) to the workspace at the end of the split (policy logp_fold).
+ * linear_logp_merge_kernel (cuda/linear_logp.cuh) folds a row's splits in increasing order.
+ *
+ * Backward dz (linear_logp_dlogits): the GEMM z = hidden @ weight_chunk^T + bias on the large GEMM
+ * config whose epilogue turns each z into d loss / d z (dlogits_value; per-row lse / entropy / gradients
+ * loaded before the tile's k loop) and stores that in the input dtype instead of z: the fp32 logits of
+ * the chunk are never written.
+ *
+ * Batch invariance: the chain boundaries depend on D, the tiles and splits on V, every fold and merge
+ * runs in a fixed order, so a row's results do not depend on N or its position; z's elements in the
+ * backward are bitwise those of the SM90 GEMM. Tested on the GPU by tests/test_gpu_linear_logp.py
+ * (torch.equal for rows of N = 1, 3, 17, 129, 1000 and shifted rows vs N = 4096; fused dz vs the SM90 GEMM
+ * followed by the elementwise dz).
+ *
+ * Limits (-> RLK_UNSUPPORTED, sm80 runs): bf16/fp16 only; row strides not a multiple of 16 bytes; the
+ * forward also needs D a multiple of 8.
+ *
+ * Build: as sm90/gemm.cu (python3 csrc/cuda/sm90/wgmma_gen.py build/gen; nvcc ... -Ibuild/gen
+ *        csrc/cuda/sm90/linear_logp.cu). Test: pytest tests/test_gpu_linear_logp.py -m gpu.
+ */
+#include "../../ops/linear_logp.h"
+#include "../linear_logp.cuh"
+#include "gemm_kernel.cuh"
+
+#define LOGP_CHAIN 4 /* forward: k-slices per fresh wgmma chain (see mma_tile) */
+
+/* The linear_logp kernels' row data: the product is hidden [N, D] @ weight[V, D]^T (M = N rows, N = V
+ * columns, K = D), or a vocabulary chunk of it starting at column v0 (the backward's dz). */
+typedef struct logp_sm90_params {
+    const void *bias;       /* forward: [V] in the input dtype, or NULL (backward: C of the GEMM) */
+    const int64_t *target;  /* [N] */
+    float4 *partials;       /* forward: [split][row] {m, l, S, x_target}, see fold_logits_tile */
+    float scale_log2;       /* forward: inv_temperature * log2(e) */
+    const float *lse, *entropy, *grad_logp, *grad_entropy;  /* backward: [N] each; the last 3 may be NULL */
+    int64_t ignore_index, v0;
+    float inv_temperature;
+} logp_sm90_params;
+
+/* The backward's value: d loss / d z (dlogit_value) of z = acc + bias (C is the bias row, ldc = 0) for
+ * the thread's two rows; ignored rows (and rows past N) get 0. */
+struct dlogits_value {
+    using Params = logp_sm90_params;
+    float inv_temperature;
+    float lse[2], entropy[2], grad_logp[2], grad_entropy[2];
+    int target_col[2];  /* the target's column in this chunk, or -1 */
+    bool active[2];
+    __device__ __forceinline__ float operator()(float acc, float c, bool has_c, int h, int col) const {
+        const float z = has_c ? __fadd_rn(acc, c) : acc;
+        /* computed for every row and then selected: a branch per element kept the exps from overlapping */
+        const float dz =
+            dlogit_value(z, inv_temperature, lse[h], entropy[h], grad_logp[h], grad_entropy[h], col == target_col[h]);
+        return active[h] ? dz : 0.f;
+    }
+    static __device__ __forceinline__ dlogits_value make(int row0, const gemm_sm90_params &p,
+                                                         const logp_sm90_params &lp) {
+        dlogits_value e;
+        e.inv_temperature = lp.inv_temperature;
+        const int t = threadIdx.x % 128;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 16 * (t / 32) + (t % 32) / 4 + 8 * h;
+            const int64_t target = row < p.M ? lp.target[row] : lp.ignore_index;
+            e.active[h] = target != lp.ignore_index;
+            e.target_col[h] = (target >= lp.v0 && target < lp.v0 + p.N) ? (int)(target - lp.v0) : -1;
+            e.lse[h] = e.active[h] ? lp.lse[row] : 0.f;
+            e.entropy[h] = e.active[h] && lp.entropy ? lp.entropy[row] : 0.f;
+            e.grad_logp[h] = e.active[h] && lp.grad_logp ? lp.grad_logp[row] : 0.f;
+            e.grad_entropy[h] = e.active[h] && lp.grad_entropy ? lp.grad_entropy[row] : 0.f;
+        }
+        return e;
+    }
+};
+
+/* Per-thread softmax states of the two rows a consumer thread holds in the wgmma accumulator layout
+ * (rows 16w + l/4 and + 8 of its warpgroup's 64; the quad of lanes sharing a row keeps identical copies). */
+typedef struct logp_row_states {
+    float m[2], l[2], S[2];
+    float x_target[2];  /* target logit in log2 units (0 in the lanes and splits that do not hold it) */
+    int target_col[2];  /* -1: ignored, out of range or a row past N */
+} logp_row_states;
+
+__device__ __forceinline__ void logp_states_init(logp_row_states &st, int row0, const gemm_sm90_params &p,
+                                                 const logp_sm90_params &lp) {
+    const int t = threadIdx.x % 128;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 16 * (t / 32) + (t % 32) / 4 + 8 * h;
+        const int64_t target = row < p.M ? lp.target[row] : -1;
+        st.target_col[h] = (target >= 0 && target < p.N) ? (int)target : -1;
+        st.m[h] = LOGP_EMPTY_MAX;
+        st.l[h] = st.S[h] = st.x_target[h] = 0.f;
+    }
+}
+
+/* bias * scale_log2 for the thread's columns of the tile at col0 (-inf past V). Loaded after the tile's k
+ * loop: during it the 192-wide tile's two accumulator sets take the registers. */
+template <int BN, bool BF16>
+__device__ __forceinline__ void load_bias_log2(float (&bias_log2)[BN / 8][2], int col0, const gemm_sm90_params &p,
+                                               const logp_sm90_params &lp) {
+    const int col_lane = col0 + 2 * (threadIdx.x % 4);  /* column of d[0] */
+    const uint16_t *bias = (const uint16_t *)lp.bias;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = col_lane + 8 * j + e;
+            const float b = (bias != nullptr && col < p.N) ? half_bits_to_float<BF16>(__ldg(bias + col)) : 0.f;
+            bias_log2[j][e] = col < p.N ? b * lp.scale_log2 : -INFINITY;
+        }
+}
+
+/* Folds one consumer warpgroup's 64 x BN logits tile d (columns col0 ..) into the row states: each
+ * thread scales its BN/4 values of a row (x = acc * scale_log2 + bias * scale_log2, -inf past V), the
+ * quad forms the tile's state (quad_tile_state), and it is merged into the running one. */
+template <int BN>
+__device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], const float (&bias_log2)[BN / 8][2],
+                                                 int col0, logp_row_states &st, const logp_sm90_params &lp) {
+    const int col_lane = col0 + 2 * (threadIdx.x % 4);  /* column of d[0] */
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float x[BN / 8][2];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) x[j][e] = fmaf(d[4 * j + 2 * h + e], lp.scale_log2, bias_log2[j][e]);
+        float tile_max, l, S;
+        quad_tile_state(x, tile_max, l, S);
+        softmax_state_merge(st.m[h], st.l[h], st.S[h], tile_max, l, S);
+        const int target_offset = st.target_col[h] - col_lane;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (target_offset == 8 * j + e) st.x_target[h] = x[j][e];
+    }
+}
+
+/* Lane 0 of each quad writes the split's {m, l, S, x_target} of its two rows (x_target: the one lane
+ * holding it plus exact zeros). */
+__device__ __forceinline__ void store_partials(logp_row_states &st, int row0, int split, const gemm_sm90_params &p,
+                                               const logp_sm90_params &lp) {
+    const int t = threadIdx.x % 128;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float x = st.x_target[h];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        const int row = row0 + 16 * (t / 32) + (t % 32) / 4 + 8 * h;
+        if (t % 4 == 0 && row < p.M)
+            lp.partials[(int64_t)split * p.M + row] = make_float4(st.m[h], st.l[h], st.S[h], x);
+    }
+}
+
+/* The forward's epilogue policy: a work unit is a vocabulary split of LOGP_SPLIT_COLS / BN tiles walked
+ * in increasing order; each tile, from fresh LOGP_CHAIN-slice wgmma chains, is folded into per-row
+ * softmax states instead of being stored, and the split's state is written once at the end. */
+template <int BN>
+struct logp_fold {
+    using OutT = float; /* nothing is stored through the out map */
+    using Params = logp_sm90_params;
+    static constexpr int TILES_PER_UNIT = LOGP_SPLIT_COLS / BN, CHAIN = LOGP_CHAIN;
+    static constexpr bool STORES_TILES = false;
+    static_assert(LOGP_SPLIT_COLS % BN == 0, "a split is whole tiles");
+    static __device__ __forceinline__ logp_row_states begin(int row0, const gemm_sm90_params &p,
+                                                            const logp_sm90_params &lp) {
+        logp_row_states st;
+        logp_states_init(st, row0, p, lp);
+        return st;
+    }
+    template <int TILE_BN, bool BF16, bool TMA_STORE>
+    static __device__ __forceinline__ void tile(float (&d)[TILE_BN / 2], logp_row_states &st, int, int col0,
+                                                const gemm_sm90_params &p, const logp_sm90_params &lp, const tile_store &) {
+        float bias_log2[TILE_BN / 8][2];
+        load_bias_log2<TILE_BN, BF16>(bias_log2, col0, p, lp);
+        fold_logits_tile<TILE_BN>(d, bias_log2, col0, st, lp);
+    }
+    static __device__ __forceinline__ void end(logp_row_states &st, int row0, int split, const gemm_sm90_params &p,
+                                               const logp_sm90_params &lp) {
+        store_partials(st, row0, split, p, lp);
+    }
+};
+
+/* ------------------------------------ launchers --------------------------------------------- */
+
+/* The product hidden [rows, D] @ weight[cols, D]^T as GEMM arguments (A = hidden, K-major; B = weight^T,
+ * b_trans = 1); the caller adds the epilogue fields its kernel uses. */
+static rlk_gemm_args product_args(const void *hidden, int64_t ldh, const void *weight, int64_t ldw, int64_t rows,
+                                  int64_t cols, int64_t D, rlk_dtype in_dtype, rlk_dtype out_dtype) {
+    rlk_gemm_args g;
+    memset(&g, 0, sizeof(g));
+    g.M = rows;
+    g.N = cols;
+    g.K = D;
+    g.in_dtype = in_dtype;
+    g.out_dtype = out_dtype;
+    g.a = hidden;
+    g.lda = ldh;
+    g.b = weight;
+    g.ldb = ldw;
+    g.b_trans = 1;
+    return g;
+}
+
+/* 128 x 192 tiles, 2-CTA clusters, 5 stages: the fresh k-slice chains need a second set of accumulator
+ * registers, which the 128 x 256 config cannot afford; at 192 both sets (2 x 96) fit under the consumers'
+ * setmaxnreg 232, and a wider tile needs less shared-memory bandwidth per FLOP than 128 x 128
+ * (docs/perf-notes.md, "linear_logp forward on SM90"). ptxas spills ~45 values around the fold, after the k loop.
+ * 4 tiles per vocabulary split. */
+extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_context *ctx) {
+    const bool bf16 = args->dtype == RLK_BF16;
+    if (!bf16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
+    if (args->D <= 0 || args->D % 8 != 0 || args->D >= INT32_MAX || args->N >= INT32_MAX ||
+        args->V >= INT32_MAX - LOGP_SPLIT_COLS)
+        return RLK_UNSUPPORTED;
+    if (!tma_row_stride_ok(args->ldh) || !tma_row_stride_ok(args->ldw)) return RLK_UNSUPPORTED;
+    ctx->kernel = "linear_logp_fwd_sm90";
+    if (ctx->plan_only) {
+        ctx->workspace_bytes = logp_splits(args->V) * args->N * (int64_t)sizeof(float4);
+        return RLK_OK;
+    }
+
+    int device, num_sms;
+    const cudaError_t err = current_device(&device, &num_sms);
+    if (err != cudaSuccess) return (int)err;
+
+    const rlk_gemm_args g =
+        product_args(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, args->dtype, RLK_F32);
+    const gemm_sm90_params p = gemm_params(&g);
+    logp_sm90_params lp;
+    memset(&lp, 0, sizeof(lp));
+    lp.bias = args->bias;
+    lp.target = args->target;
+    lp.partials = (float4 *)args->workspace;
+    lp.scale_log2 = args->inv_temperature * LOG2E;
+
+    const cudaStream_t s = (cudaStream_t)ctx->stream;
+    const int rc = bf16 ? launch_gemm_sm90<192, 2, 5, 2, false, false, true, logp_fold<192>>(&g, p, lp, device, num_sms, s)
+                        : launch_gemm_sm90<192, 2, 5, 2, false, false, false, logp_fold<192>>(&g, p, lp, device, num_sms, s);
+    if (rc != RLK_OK) return rc;
+    return launch_linear_logp_merge(args, lp.partials, s);
+}
+
+/* The large tile config's main loop (the GEMM's z, bitwise) with the dlogits epilogue: z of the chunk never
+ * leaves registers; dz goes out through the same store paths as a GEMM tile. */
+extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *args, rlk_context *ctx) {
+    const bool bf16 = args->dtype == RLK_BF16;
+    if (!bf16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
+    if (args->D <= 0 || args->D >= INT32_MAX || args->rows >= INT32_MAX || args->cols >= INT32_MAX)
+        return RLK_UNSUPPORTED;
+    if (!tma_row_stride_ok(args->ldh) || !tma_row_stride_ok(args->ldw)) return RLK_UNSUPPORTED;
+    ctx->kernel = "linear_logp_dlogits_sm90";
+    if (ctx->plan_only) return RLK_OK;
+
+    int device, num_sms;
+    const cudaError_t err = current_device(&device, &num_sms);
+    if (err != cudaSuccess) return (int)err;
+
+    /* z = hidden @ weight_chunk^T + 1 * bias, C = the bias row broadcast over the rows (ldc = 0) */
+    rlk_gemm_args g = product_args(args->hidden, args->ldh, args->weight, args->ldw, args->rows, args->cols, args->D,
+                                   args->dtype, args->dtype);
+    g.c = args->bias;
+    g.ldc = 0;
+    g.out = args->dlogits;
+    g.ldo = args->ld_dlogits;
+    g.alpha = g.beta = 1.0f;
+    const gemm_sm90_params p = gemm_params(&g);
+    logp_sm90_params lp;
+    memset(&lp, 0, sizeof(lp));
+    lp.target = args->target;
+    lp.lse = args->lse;
+    lp.entropy = args->entropy;
+    lp.grad_logp = args->grad_logp;
+    lp.grad_entropy = args->grad_entropy;
+    lp.ignore_index = args->ignore_index;
+    lp.v0 = args->v0;
+    lp.inv_temperature = args->inv_temperature;
+
+    const cudaStream_t s = (cudaStream_t)ctx->stream;
+    return bf16 ? launch_gemm_sm90<256, 2, 4, 2, false, false, true, store_tiles<__nv_bfloat16, dlogits_value>>(
+                      &g, p, lp, device, num_sms, s)
+                : launch_gemm_sm90<256, 2, 4, 2, false, false, false, store_tiles<__half, dlogits_value>>(
+                      &g, p, lp, device, num_sms, s);
+}

@@ -1,0 +1,126 @@
+/* cuda/sm90/ptx.cuh: the Hopper (sm_90a) primitives the wgmma kernels use: mbarriers, TMA loads and
+ * stores (cp.async.bulk.tensor), clusters, proxy fences, wgmma descriptors and synchronization.
+ * One thin inline wrapper per PTX instruction; the wgmma instructions themselves are in wgmma.cuh.
+ */
+#ifndef RLK_CUDA_SM90_PTX_CUH_
+#define RLK_CUDA_SM90_PTX_CUH_
+
+#include <cuda.h>
+
+#include "../common.cuh"
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+/* Spin until the phase with the given parity has completed. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+/* Same box, written at the same shared-memory offset of every CTA in cta_mask (and counted on each CTA's
+ * mbarrier at the same offset). */
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int inner, int outer,
+                                                      uint32_t bar, uint16_t cta_mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;"
+                 ::"r"(dst), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(bar), "h"(cta_mask) : "memory");
+}
+
+/* Arrive on the mbarrier at the same shared-memory offset in CTA cta_rank of this cluster. Default
+ * (CTA-scope) semantics: the reads being released were wgmma's, already complete at wgmma.wait_group;
+ * a .release.cluster arrive compiles to MEMBAR.ALL.GPU and halved the throughput (perf-notes v2). */
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta_rank) {
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n"
+                 ::"r"(bar), "r"(cta_rank) : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+/* 2-D TMA load of one box into shared memory; completion is counted on the mbarrier in bytes. */
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int inner, int outer,
+                                            uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(dst), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(bar) : "memory");
+}
+
+/* 2-D TMA store of one shared-memory box to global memory (out-of-bounds parts are skipped), tracked
+ * in this thread's bulk async-group. */
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int inner, int outer) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+                 ::"l"((uint64_t)map), "r"(inner), "r"(outer), "r"(src) : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+/* Wait until at most N of this thread's bulk groups still read their shared-memory source. */
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+/* Makes this thread's ordinary shared-memory writes visible to the TMA unit (async proxy). */
+__device__ __forceinline__ void fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* Barrier among the 128 threads of one warpgroup (ids 1, 2: one per consumer; 0 is __syncthreads). */
+__device__ __forceinline__ void warpgroup_sync(uint32_t id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+__device__ __forceinline__ void st_shared_pair(uint32_t addr, float2 v, float *) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+}
+template <typename T>
+__device__ __forceinline__ void st_shared_pair(uint32_t addr, float2 v, T *) {
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(pack_half2<std::is_same<T, __nv_bfloat16>::value>(v.x, v.y))
+                 : "memory");
+}
+
+/* wgmma shared-memory matrix descriptor for a 128-byte swizzled tile (start address 1024-aligned up to
+ * the k16 offset). lbo/sbo in bytes: K-major tiles use sbo = 1024 (next 8 rows), lbo unused;
+ * MN-major tiles use lbo = distance between 64-element MN blocks, sbo = 1024 (next 8 k rows). */
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving accumulator reads/writes across wgmma fences and waits. */
+template <int R>
+__device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#endif /* RLK_CUDA_SM90_PTX_CUH_ */

@@ -1,0 +1,335 @@
+"""attention: causal / full GQA attention whose rows are bitwise the same in training, prefill,
+chunked prefill and KV-cache decode (contract and reasons: csrc/ops/attention.h,
+docs/operators/attention.md).
+
+Reads top-down: the public functions (flash-attention's conventions: [B, T, H, d] batches or packed
+[total, H, d] with cu_seqlens; a KV cache [B, Tmax, Hkv, d] with cache_seqlens) -> per-sequence
+ranges (q_start, q_len, k_start, k_len) -> the torch.library op ``rl_kernels::attention`` (fake
+implementation, autograd through ``rl_kernels::attention_backward``) -> ``_C``.
+
+A query row's output depends on its q, the keys/values at positions 0..p of its own sequence, the
+head dim and the scale only: keys are reduced in blocks of 64 and segments of 512 aligned at each
+sequence's first real key, in increasing order, whatever the batch, the packing, the padding, the
+chunking or the number of queries in the call. Positions count from each sequence's first real key
+and causal masking is aligned bottom-right (query i of q_len sits at key position
+k_len - q_len + i), as flash-attention does and as a KV-cache decode step needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _C
+from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, check_tensor, eager_direct,
+                     real_number)
+
+CUDA_HEAD_DIMS = (64, 128)
+BAD_RANGE = DeviceErrorFlag("cu_seqlens / cache_seqlens: an earlier attention call on CUDA saw a "
+                            "sequence range outside its tensors or a cache overflow; its rows were "
+                            "not computed")
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              softmax_scale: float | None = None, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None, q_start: torch.Tensor | None = None,
+              q_len: torch.Tensor | None = None, k_start: torch.Tensor | None = None,
+              k_len: torch.Tensor | None = None, return_lse: bool = False,
+              backend: str | None = None):
+    """softmax(q k^T * softmax_scale [causal mask]) v per query head; GQA when Hq is a multiple of
+    Hkv (query head h reads key/value head h // (Hq // Hkv)).
+
+    q [B, Tq, Hq, d], k and v [B, Tk, Hkv, d]: a batch of B sequences, all rows real unless
+    q_start / q_len / k_start / k_len (int32 [B]) give each sequence's real rows (left or right
+    padding: rows outside come back as 0). Or packed: q [total_q, Hq, d], k and v [total_k, Hkv, d]
+    with cu_seqlens_q / cu_seqlens_k (int32 [n + 1], increasing from 0). softmax_scale defaults to
+    1 / sqrt(d). Returns out like q and, with return_lse, the log-sum-exp in fp32 ([B, Hq, Tq], or
+    [Hq, total_q] packed). bf16 / fp16 (head dims 64 and 128 on CUDA), also fp32 / fp64 on CPU.
+    Differentiable in q, k and v."""
+    q, k, v = _check_qkv("attention", q, k, v)
+    scale = _scale("attention", softmax_scale, q.shape[-1])
+    causal = _check_bool("attention", "causal", causal)
+    return_lse = _check_bool("attention", "return_lse", return_lse)
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("attention(): give both cu_seqlens_q and cu_seqlens_k (or neither)")
+        if q.dim() != 3:
+            raise ValueError(f"attention(): with cu_seqlens, q must be packed [total, H, d], got "
+                             f"{q.dim()}-D")
+        q_start, q_len, max_seqlen_q = _ranges_from_cu_seqlens("cu_seqlens_q", cu_seqlens_q,
+                                                               q.shape[0], max_seqlen_q, q.device)
+        k_start, k_len, max_seqlen_k = _ranges_from_cu_seqlens("cu_seqlens_k", cu_seqlens_k,
+                                                               k.shape[0], max_seqlen_k, q.device)
+        if q_len.shape != k_len.shape:
+            raise ValueError(f"attention(): cu_seqlens_q has {q_len.shape[0]} sequences, "
+                             f"cu_seqlens_k {k_len.shape[0]}")
+    else:
+        if q.dim() != 4:
+            raise ValueError(f"attention(): q must be [B, T, H, d] (or packed [total, H, d] with "
+                             f"cu_seqlens), got {q.dim()}-D")
+        batch = q.shape[0]
+        q_start, q_len = _ranges("q", q_start, q_len, batch, q.shape[1], q.device)
+        k_start, k_len = _ranges("k", k_start, k_len, batch, k.shape[1], q.device)
+        max_seqlen_q = q.shape[1] if max_seqlen_q is None else int(max_seqlen_q)
+        max_seqlen_k = k.shape[1] if max_seqlen_k is None else int(max_seqlen_k)
+    args = (q, k, v, q_start, q_len, k_start, k_len, max_seqlen_q, max_seqlen_k, causal, scale,
+            backend or "auto")
+    if eager_direct(q, k, v):
+        out, lse = _forward_impl(*args)
+    else:
+        out, lse = torch.ops.rl_kernels.attention(*args)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens, *, k_new: torch.Tensor | None = None,
+                           v_new: torch.Tensor | None = None, causal: bool = True,
+                           softmax_scale: float | None = None, return_lse: bool = False,
+                           backend: str | None = None):
+    """Decode and chunked prefill against a contiguous KV cache, as flash_attn_with_kvcache.
+
+    q [B, Tq, Hq, d]; k_cache, v_cache [B, Tmax, Hkv, d]; cache_seqlens: int32 [B] (or an int)
+    keys already cached per sequence. k_new / v_new [B, Tn, Hkv, d], if given, are first written into
+    the cache at positions cache_seqlens .. cache_seqlens + Tn - 1 (in place; cache_seqlens is not
+    updated). Then each sequence's Tq queries attend to its cache_seqlens (+ Tn) keys, the queries
+    being the last Tq positions (causal: aligned bottom-right). Not differentiable."""
+    q, k_cache, v_cache = _check_qkv("attention_with_kvcache", q, k_cache, v_cache)
+    if q.dim() != 4:
+        raise ValueError(f"attention_with_kvcache(): q must be [B, T, H, d], got {q.dim()}-D")
+    batch, t_max = q.shape[0], k_cache.shape[1]
+    if k_cache.shape[0] != batch:
+        raise ValueError(f"attention_with_kvcache(): k_cache has batch {k_cache.shape[0]}, q {batch}")
+    scale = _scale("attention_with_kvcache", softmax_scale, q.shape[-1])
+    causal = _check_bool("attention_with_kvcache", "causal", causal)
+    return_lse = _check_bool("attention_with_kvcache", "return_lse", return_lse)
+    cached = _cache_seqlens(cache_seqlens, batch, q.device)
+    k_len = cached
+    if (k_new is None) != (v_new is None):
+        raise ValueError("attention_with_kvcache(): give both k_new and v_new (or neither)")
+    if k_new is not None:
+        for name, new in (("k_new", k_new), ("v_new", v_new)):
+            check_tensor("attention_with_kvcache", name, new)
+            if new.dim() != 4 or new.shape[0] != batch or new.shape[2:] != k_cache.shape[2:] \
+                    or new.dtype != k_cache.dtype or new.device != k_cache.device:
+                raise ValueError(f"attention_with_kvcache(): {name} must be [B, Tn, Hkv, d] like the "
+                                 f"cache ({k_cache.dtype}), got {tuple(new.shape)} {new.dtype}")
+        if k_new.shape != v_new.shape:
+            raise ValueError("attention_with_kvcache(): k_new and v_new differ in shape")
+        k_len = cached + k_new.shape[1]
+        if not cached.is_cuda and int(k_len.max()) > t_max:  # on CUDA the kernels flag it (no sync)
+            raise ValueError(f"cache_seqlens: appending {k_new.shape[1]} keys overflows the cache of "
+                             f"{t_max} (largest cache_seqlens {int(cached.max())})")
+        _append(k_cache, v_cache, k_new, v_new, cached)
+    zeros = torch.zeros(batch, dtype=torch.int32, device=q.device)
+    q_len = torch.full((batch,), q.shape[1], dtype=torch.int32, device=q.device)
+    with torch.no_grad():
+        out, lse = _forward_impl(q, k_cache, v_cache, zeros, q_len, zeros, k_len, q.shape[1], t_max,
+                                 causal, scale, backend or "auto")
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# Argument handling
+# --------------------------------------------------------------------------------------------
+
+def _check_qkv(op, q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, t)
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise TypeError(f"{op}(): {name} has dtype {t.dtype}; expected bfloat16 or float16 "
+                            f"(float32 / float64 on the CPU)")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{op}(): {name} is {t.dtype} on {t.device} but q is {q.dtype} on "
+                            f"{q.device}")
+        if t.dim() != q.dim() or t.dim() not in (3, 4):
+            raise ValueError(f"{op}(): q, k, v must all be [B, T, H, d] or all packed [T, H, d]; "
+                             f"got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}(): k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    d, heads_q, heads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"{op}(): k has head dim {k.shape[-1]}, q {d}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"{op}(): q has {heads_q} heads, not a multiple of k's {heads_kv} (GQA)")
+    if q.is_cuda:
+        if d not in CUDA_HEAD_DIMS:
+            raise ValueError(f"{op}(): head dim {d} is not supported on CUDA (64 or 128; CPU "
+                             f"tensors take any)")
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{op}(): CUDA attention takes bfloat16 or float16, got {q.dtype}")
+    # the head dim must be contiguous; everything else may be strided
+    return tuple(t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+
+
+def _check_bool(op, name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}(): {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _scale(op, softmax_scale, d):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    scale = real_number(op, "softmax_scale", softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{op}(): softmax_scale must be finite, got {scale}")
+    return scale
+
+
+def _int32_vector(name, t, length, device):
+    check_tensor("attention", name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"attention(): {name} must be int32 (as flash-attention's), got {t.dtype}")
+    if t.dim() != 1 or (length is not None and t.shape[0] != length):
+        raise ValueError(f"attention(): {name} must be 1-D" +
+                         (f" of length {length}" if length is not None else "") +
+                         f", got shape {tuple(t.shape)}")
+    return t.to(device).contiguous()
+
+
+def _ranges_from_cu_seqlens(name, cu, rows, max_len, device):
+    """(start, len, max_len) of packed sequences; cu_seqlens is checked on the host when it lives
+    there or when max_len must be computed anyway (a CUDA cu_seqlens with max_len given is checked
+    by the kernels, which flag a bad range without a sync)."""
+    cu = _int32_vector(name, cu, None, device)
+    if cu.shape[0] < 1:
+        raise ValueError(f"attention(): {name} needs at least one entry (0)")
+    start, length = cu[:-1], cu[1:] - cu[:-1]
+    if not cu.is_cuda or max_len is None:
+        values = cu.tolist()
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] > rows:
+            raise ValueError(f"attention(): {name} must increase from 0 to at most {rows} (the "
+                             f"packed rows); got {values[:8]}{' ...' if len(values) > 8 else ''}")
+        longest = max((b - a for a, b in zip(values, values[1:])), default=0)
+        max_len = longest if max_len is None else int(max_len)
+        if max_len < longest:
+            raise ValueError(f"attention(): max_seqlen for {name} is {max_len}, but a sequence has "
+                             f"{longest} rows")
+    return start, length, int(max_len)
+
+
+def _ranges(which, start, length, batch, rows, device):
+    """Per-sequence (start, len) of a [B, T, H, d] batch: all T rows, or the given ones."""
+    if start is None and length is None:
+        full = torch.full((batch,), rows, dtype=torch.int32, device=device)
+        return torch.zeros(batch, dtype=torch.int32, device=device), full
+    if length is None:
+        raise ValueError(f"attention(): {which}_start needs {which}_len")
+    length = _int32_vector(f"{which}_len", length, batch, device)
+    start = (torch.zeros(batch, dtype=torch.int32, device=device) if start is None
+             else _int32_vector(f"{which}_start", start, batch, device))
+    return start, length
+
+
+def _cache_seqlens(cache_seqlens, batch, device):
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        raise TypeError(f"attention_with_kvcache(): cache_seqlens must be an int or an int32 tensor, "
+                        f"got {type(cache_seqlens).__name__}")
+    if isinstance(cache_seqlens, int):
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    return _int32_vector("cache_seqlens", cache_seqlens, batch, device)
+
+
+def _append(k_cache, v_cache, k_new, v_new, cached):
+    """k_cache[b, cached[b] + j] = k_new[b, j] (v likewise), in one indexed copy per tensor. Positions
+    past the cache are clamped to its last row: such a call is refused (CPU at once, CUDA through
+    the kernels' flag), and clamping keeps the copy itself in bounds."""
+    batch, t_new = k_new.shape[:2]
+    t_max = k_cache.shape[1]
+    positions = (cached.to(torch.int64)[:, None] +
+                 torch.arange(t_new, device=cached.device)).clamp_(max=t_max - 1)
+    rows = torch.arange(batch, device=cached.device)[:, None].expand(batch, t_new)
+    k_cache[rows, positions] = k_new
+    v_cache[rows, positions] = v_new
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library ops and autograd
+# --------------------------------------------------------------------------------------------
+
+LIBRARY.define(
+    "attention(Tensor q, Tensor k, Tensor v, Tensor q_start, Tensor q_len, Tensor k_start, "
+    "Tensor k_len, int max_q_len, int max_k_len, bool causal, float softmax_scale, str backend) "
+    "-> (Tensor, Tensor)")
+LIBRARY.define(
+    "attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+    "Tensor q_start, Tensor q_len, Tensor k_start, Tensor k_len, int max_q_len, int max_k_len, "
+    "bool causal, float softmax_scale, str backend) -> (Tensor, Tensor, Tensor)")
+
+
+def _lse_shape(q):
+    return (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
+
+
+def _forward_impl(q, k, v, q_start, q_len, k_start, k_len, max_q_len, max_k_len, causal, scale,
+                  backend):
+    BAD_RANGE.raise_if_set()
+    code, stream = backend_and_stream("attention", q.device, backend)
+    out = torch.zeros_like(q)  # rows outside the sequences stay 0
+    lse = torch.full(_lse_shape(q), -math.inf, device=q.device,
+                     dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    _C.attention_fwd(q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
+                     causal, scale, BAD_RANGE.address(q.device), code, stream)
+    return out, lse
+
+
+def _backward_impl(q, k, v, out, lse, dout, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
+                   causal, scale, backend):
+    BAD_RANGE.raise_if_set()
+    code, stream = backend_and_stream("attention", q.device, backend)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    _C.attention_bwd(q, k, v, out, lse, dout, dq, dk, dv, q_start, q_len, k_start, k_len,
+                     max_q_len, max_k_len, causal, scale, BAD_RANGE.address(q.device), code, stream)
+    return dq, dk, dv
+
+
+for _key in ("CPU", "CUDA"):
+    LIBRARY.impl("attention", _forward_impl, _key)
+    LIBRARY.impl("attention_backward", _backward_impl, _key)
+
+
+@torch.library.register_fake("rl_kernels::attention")
+def _forward_fake(q, k, v, q_start, q_len, k_start, k_len, max_q_len, max_k_len, causal, scale,
+                  backend):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), q.new_empty(_lse_shape(q), dtype=lse_dtype)
+
+
+@torch.library.register_fake("rl_kernels::attention_backward")
+def _backward_fake(q, k, v, out, lse, dout, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
+                   causal, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_start, q_len, k_start, k_len, max_q_len, max_k_len, causal, scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_start, q_len, k_start, k_len)
+    ctx.options = (max_q_len, max_k_len, causal, scale, backend)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, q_start, q_len, k_start, k_len = ctx.saved_tensors
+    dq, dk, dv = torch.ops.rl_kernels.attention_backward(
+        q, k, v, out, lse, grad_out.contiguous(), q_start, q_len, k_start, k_len, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("rl_kernels::attention", _backward, setup_context=_setup_context)
+
+
+def _double_backward(ctx, *grads):
+    raise RuntimeError("attention: second-order gradients (a backward through its gradient, "
+                       "create_graph=True) are not implemented")
+
+
+torch.library.register_autograd("rl_kernels::attention_backward", _double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
