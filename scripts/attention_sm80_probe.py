@@ -44,6 +44,7 @@ extern "C" void rlk_probe_layout(int64_t *o) {
     o[7] = offsetof(rlk_attention_args, softmax_scale); o[8] = offsetof(rlk_attention_args, q_start);
     o[9] = offsetof(rlk_attention_args, q); o[10] = offsetof(rlk_attention_args, lse);
     o[11] = offsetof(rlk_attention_args, dv); o[12] = offsetof(rlk_attention_args, workspace);
+    o[13] = offsetof(rlk_attention_args, q_rows); o[14] = offsetof(rlk_attention_args, bad_index);
 }
 """
 
@@ -61,11 +62,11 @@ class TensorArg(ctypes.Structure):
 class Args(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("heads_q", ctypes.c_int64), ("heads_kv", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("max_q_len", ctypes.c_int64), ("max_k_len", ctypes.c_int64),
-                ("dtype", ctypes.c_int), ("causal", ctypes.c_int), ("softmax_scale", ctypes.c_float),
+                ("q_rows", ctypes.c_int64), ("k_rows", ctypes.c_int64), ("dtype", ctypes.c_int), ("causal", ctypes.c_int), ("softmax_scale", ctypes.c_float),
                 ("q_start", ctypes.c_void_p), ("q_len", ctypes.c_void_p), ("k_start", ctypes.c_void_p),
                 ("k_len", ctypes.c_void_p), ("q", TensorArg), ("k", TensorArg), ("v", TensorArg),
                 ("out", TensorArg), ("lse", TensorArg), ("dout", TensorArg), ("dq", TensorArg), ("dk", TensorArg),
-                ("dv", TensorArg), ("workspace", ctypes.c_void_p)]
+                ("dv", TensorArg), ("bad_index", ctypes.c_void_p), ("workspace", ctypes.c_void_p)]
 
 
 def build(keep_dir=None):
@@ -102,15 +103,18 @@ class Attention:
         lib.rlk_attention_fwd_sm80_forced.argtypes = [ctypes.POINTER(Args), ctypes.POINTER(Context), ctypes.c_int]
         lib.rlk_attention_fwd_sm80_forced.restype = ctypes.c_int
         lib.rlk_probe_layout.argtypes = [ctypes.POINTER(ctypes.c_int64)]
-        o = (ctypes.c_int64 * 13)()
+        o = (ctypes.c_int64 * 15)()
         lib.rlk_probe_layout(o)
         mine = [ctypes.sizeof(Context), Context.plan_only.offset, Context.kernel.offset, Context.workspace_bytes.offset,
                 ctypes.sizeof(TensorArg), ctypes.sizeof(Args), Args.dtype.offset, Args.softmax_scale.offset,
-                Args.q_start.offset, Args.q.offset, Args.lse.offset, Args.dv.offset, Args.workspace.offset]
+                Args.q_start.offset, Args.q.offset, Args.lse.offset, Args.dv.offset, Args.workspace.offset,
+                Args.q_rows.offset, Args.bad_index.offset]
         if list(o) != mine:
             sys.exit(f"ctypes layout mismatch: C {list(o)} vs ctypes {mine}")
         self.last_kernel = None
         self._ws = {}
+        # the host-mapped range flag the kernels raise (pinned memory: the same address on the device)
+        self.bad_index = torch.zeros(1, dtype=torch.int32, pin_memory=True)
 
     @staticmethod
     def tensor_arg(t, lse=False):
@@ -128,6 +132,8 @@ class Attention:
         a.batch = meta["batch"]
         a.heads_q, a.heads_kv, a.head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
         a.max_q_len, a.max_k_len = meta["max_q_len"], meta["max_k_len"]
+        a.q_rows, a.k_rows = q.shape[-3], k.shape[-3]
+        a.bad_index = self.bad_index.data_ptr()
         a.dtype = RLK_BF16 if q.dtype == torch.bfloat16 else RLK_F16
         a.causal = int(causal)
         a.softmax_scale = scale
@@ -159,7 +165,7 @@ class Attention:
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out = torch.empty_like(q) if out is None else out
         if lse is None:
-            lse = torch.full(q.shape[:-1], float("nan"), dtype=torch.float32, device=q.device)
+            lse = new_lse(q)
         a = self._args(q, k, v, meta, causal, scale, out, lse)
         rc = self._run(self.lib.rlk_attention_fwd_sm80_forced, a, schedule)
         if rc != 0:
@@ -174,6 +180,13 @@ class Attention:
         if rc != 0:
             raise RuntimeError(f"rlk_attention_bwd_sm80 returned {rc}")
         return dq, dk, dv
+
+
+def new_lse(q):
+    """lse as the binding lays it out, [B, Hq, T] ([Hq, T] packed), seen as [B, T, Hq] ([T, Hq])."""
+    shape = list(q.shape[:-1])
+    shape[-2], shape[-1] = shape[-1], shape[-2]
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=q.device).transpose(-1, -2)
 
 
 def make_meta(q_starts, q_lens, k_starts, k_lens):
@@ -367,6 +380,7 @@ def test_invariance(att, quick):
         chunked_vs_full(att, dtype, d, Hq, Hkv, tag, quick)
         packing_orders(att, dtype, d, Hq, Hkv, tag)
         decode_batches(att, dtype, d, Hq, Hkv, tag)
+    bad_ranges(att)
     unsupported(att)
 
 
@@ -395,7 +409,7 @@ def chunked_vs_full(att, dtype, d, Hq, Hkv, tag, quick):
             kc = torch.full((1, T + 64, Hkv, d), float("nan"), device="cuda", dtype=dtype)
             vc = torch.full((1, T + 64, Hkv, d), float("nan"), device="cuda", dtype=dtype)
             out = torch.full_like(q, float("nan"))
-            lse = torch.full(q.shape[:-1], float("nan"), device="cuda")
+            lse = new_lse(q)
             kernels = set()
             for s in range(0, T, c):
                 e = min(T, s + c)
@@ -496,6 +510,32 @@ def decode_batches(att, dtype, d, Hq, Hkv, tag):
                 torch.cat([out16b.flatten(), lse16b.flatten().view(out16.dtype)]), ("index",))
     outp, _ = att.fwd(qdec, kc, vc, meta, True, schedule=SCHEDULE_PREFILL)
     check_equal("invariance", f"{tag} decode forced prefill vs split", outp, out16, ("b", "q", "head", "col"))
+
+
+def bad_ranges(att):
+    """a sequence past its storage rows or longer than max_k_len is skipped and raises the flag; the
+    other sequences' rows come out as without it."""
+    q = torch.randn(300, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(300, 2, 64, device="cuda", dtype=torch.bfloat16)
+    good, _ = att.fwd(q, k, k, make_meta([0, 100], [100, 100], [0, 100], [100, 100]), True)
+    torch.cuda.synchronize()
+    for label, qs, kl in (("past the rows", 250, 100), ("k_len > max_k_len", 100, 120)):
+        for sched in (SCHEDULE_PREFILL, SCHEDULE_SPLIT):
+            att.bad_index.zero_()
+            meta = make_meta([0, qs], [100, 100], [0, 100], [100, kl])
+            meta["max_k_len"] = 100
+            out, _ = att.fwd(q, k, k, meta, True, schedule=sched)
+            torch.cuda.synchronize()
+            flag = int(att.bad_index[0])
+            same = where_differs(out[:100], good[:100])
+            record("invariance", f"bad range ({label}, schedule {sched}) flagged, other sequence intact",
+                   flag == 1 and same == "", f"flag {flag}; first sequence: {same or 'bitwise equal'}")
+    att.bad_index.zero_()
+    meta = make_meta([0, 250], [100, 100], [0, 100], [100, 100])
+    dq, dk, dv = att.bwd(q, k, k, good, new_lse(q), q, meta, True)
+    torch.cuda.synchronize()
+    record("invariance", "bad range backward flagged", int(att.bad_index[0]) == 1, f"flag {int(att.bad_index[0])}")
+    att.bad_index.zero_()
 
 
 def unsupported(att):

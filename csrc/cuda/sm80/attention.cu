@@ -2,27 +2,31 @@
  * runs on H100 through its sm_90 SASS). The contract is csrc/ops/attention.h.
  *
  * Forward. Per query row: keys cut into segments of 512 at absolute positions 0, 512, ..., each cut
- * into blocks of 64; a segment's softmax state (m, ms, l, acc) is built block by block from empty,
+ * into blocks of 64; a segment's softmax state (m, l, acc) is built block by block from empty,
  * and the segments' states are merged in increasing order into the row state, which is normalized
  * at the end. Two schedules run that same arithmetic:
- *   attention_fwd_kernel<SPLIT = false> (prefill, training, chunked prefill): a CTA of 8 warps owns
- *     128 query rows of one (sequence, head), 16 per warp (one m16 mma tile). Q fragments stay in
- *     registers; K and V blocks of 64 keys stream through a 2-stage cp.async ring of 16-byte-XOR-
- *     swizzled shared memory. Per block: S = Q K^T (mma m16n8k16 over head_dim), the online-softmax
- *     update, acc = alpha acc + P V. At each segment end the warp merges the segment state into the
- *     row state (a second accumulator set in registers) and restarts the segment from empty; after
- *     the last block it normalizes and writes out and lse. A warp skips blocks none of its rows can
- *     see (the causal diagonal), a CTA the tiles past its sequence's queries.
+ *   attention_fwd_kernel<SPLIT = false> (prefill, training, chunked prefill): a CTA of 4 warps owns
+ *     64 query rows of one (sequence, head), 16 per warp (one m16 mma tile), two CTAs per SM. Q
+ *     fragments stay in registers; K and V blocks of 64 keys stream through a 2-stage cp.async ring
+ *     of 16-byte-XOR-swizzled shared memory. Per block: S = Q K^T (mma m16n8k16 over head_dim), the
+ *     online-softmax update, acc = alpha acc + P V. At each segment end the warp merges the segment
+ *     state into the row state (a second accumulator set in registers) and restarts the segment
+ *     from empty; after the last block it normalizes and writes out and lse. A warp skips blocks
+ *     none of its rows can see (the causal diagonal); the heaviest causal tiles start first.
  *   attention_fwd_kernel<SPLIT = true> + attention_combine_kernel (split-KV decode): a CTA of 4
  *     warps owns one (sequence, kv head, segment) and 64 rows made of the group's G query heads of
  *     consecutive queries (row = query * G + head in group), so one K/V read serves the whole
  *     group; a 3-stage ring hides the memory latency. It writes the segment state of each row
- *     (m, ms, l, acc[head_dim], fp32) to the workspace; the combine kernel merges each row's
+ *     (m, l, acc[head_dim], fp32) to the workspace; the combine kernel merges each row's
  *     segments in increasing order and normalizes (head_dim / 4 threads per row, 4 columns each).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm80_forced takes either on request.
- * Shared memory: prefill 128 x d Q tile + 2 x (K, V) blocks = 96 KB (d = 128) / 48 KB (d = 64);
- * split 64 x d Q tile + 3 x (K, V) blocks = 112 KB / 56 KB.
+ * Shared memory: prefill 64 x d Q tile + 2 x (K, V) blocks = 80 KB (d = 128) / 40 KB (d = 64);
+ * split 64 x d Q tile + 3 x (K, V) blocks = 112 KB / 56 KB. Registers (ptxas, sm_90 / sm_80, no
+ * spills): prefill 255 / 189 (d = 128 / 64), split 216 / 152, combine 31, backward dK/dV 250 / 186,
+ * dQ 230 / 184, prep 32. Throughput (H100, bf16, d = 128, causal, GQA 32/8): the prefill kernel is
+ * bound by shared-memory operand traffic and latency (a 16-row warp issues one ldmatrix per two
+ * mma); a 32-row warp would halve that but cannot hold two accumulator sets in registers.
  *
  * Why the two schedules give the same bits for a row:
  *   - the block update (attend_block), the segment merge (merge_segment) and the normalization
@@ -52,7 +56,9 @@
  *
  * Layout requirements (else RLK_UNSUPPORTED): bf16/fp16, head_dim 64 or 128, heads_q a multiple of
  * heads_kv, 16-byte aligned data pointers and batch/row/head strides multiples of 8 elements (the
- * loads are 16-byte cp.async), lse any fp32 strides.
+ * loads are 16-byte cp.async), lse any fp32 strides. Every kernel checks its sequence's ranges
+ * (0 <= len <= max_len, 0 <= start, start + len <= rows) and skips a sequence that breaks them,
+ * raising *bad_index.
  *
  * Build (object, ptxas report):
  *   nvcc -c csrc/cuda/sm80/attention.cu -o /tmp/attn.o -O3 -std=c++17 -lineinfo -Xcompiler -fPIC \
@@ -94,47 +100,74 @@ __device__ __forceinline__ int visible_keys(int i, int q_len, int k_len, int cau
     return min(max(k_len - q_len + i + 1, 0), k_len);
 }
 
+/* The per-sequence ranges (device arrays) and the bounds the contract holds them to. */
+struct Sequences {
+    const int32_t *q_start, *q_len, *k_start, *k_len;
+    int64_t max_q_len, max_k_len, q_rows, k_rows;
+    int32_t *bad_index; /* host-mapped; may be null */
+};
+
+struct SequenceRange {
+    int64_t q_start, k_start;
+    int q_len, k_len;
+};
+
+/* Sequence b's ranges. One that breaks the contract (negative, longer than max_q_len / max_k_len,
+ * past the storage rows) is skipped: false, and the host-mapped flag raised for the caller. */
+__device__ __forceinline__ bool load_sequence(const Sequences &s, int b, SequenceRange &r) {
+    r.q_start = s.q_start[b];
+    r.k_start = s.k_start[b];
+    r.q_len = s.q_len[b];
+    r.k_len = s.k_len[b];
+    const bool ok = r.q_len >= 0 && r.q_len <= s.max_q_len && r.q_start >= 0 && r.q_start + r.q_len <= s.q_rows &&
+                    r.k_len >= 0 && r.k_len <= s.max_k_len && r.k_start >= 0 && r.k_start + r.k_len <= s.k_rows;
+    if (!ok && s.bad_index) *(volatile int32_t *)s.bad_index = 1;
+    return ok;
+}
+
+/* The contract's scaled(m) = round(m * c), 0 while m = -inf. States keep m only and recompute its
+ * scaled value where it is needed (same bits, fewer live registers). */
+__device__ __forceinline__ float scaled(float m, float c) { return m == -INFINITY ? 0.0f : __fmul_rn(m, c); }
+
 /* The softmax state of a thread's two rows of a warp's m16 tile (rows lane / 4 and lane / 4 + 8):
- * running max m, its scaled value ms = round(m * c) (0 while m = -inf), running sum l. */
+ * running max m and running sum l. */
 struct RowPair {
-    float m[2], ms[2], l[2];
+    float m[2], l[2];
 };
 
 __device__ __forceinline__ void set_empty(RowPair &st) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         st.m[h] = -INFINITY;
-        st.ms[h] = 0.0f;
         st.l[h] = 0.0f;
     }
 }
 
-/* Merges a segment state (m_g, ms_g, l_g, acc_g) into a row state (m, ms, l, o), N columns of the
- * row: the prefill kernel and the combine kernel both call this, so the merge is the same rounded
- * sequence in both schedules. A segment the row cannot see (m_g = -inf) leaves it untouched. */
+/* Merges a segment state (m_g, l_g, acc_g) into a row state (m, l, o), N columns of the row: the
+ * prefill kernel and the combine kernel both call this, so the merge is the same rounded sequence
+ * in both schedules. A segment the row cannot see (m_g = -inf) leaves it untouched. */
 template <int N>
-__device__ __forceinline__ void merge_segment(float &m, float &ms, float &l, float (&o)[N], float m_g, float ms_g,
-                                              float l_g, const float (&acc_g)[N]) {
+__device__ __forceinline__ void merge_segment(float &m, float &l, float (&o)[N], float m_g, float l_g,
+                                              const float (&acc_g)[N], float c) {
     if (m_g == -INFINITY) return;
     const float m_new = fmaxf(m, m_g);
-    const float ms_new = m_g > m ? ms_g : ms; /* = scaled(m_new): ms, ms_g are scaled(m), scaled(m_g) */
-    const float a = m == -INFINITY ? 0.0f : (m_new == m ? 1.0f : exp2_approx(__fsub_rn(ms, ms_new)));
-    const float b = m_g == m_new ? 1.0f : exp2_approx(__fsub_rn(ms_g, ms_new));
+    const float ms_new = scaled(m_new, c);
+    const float a = m == -INFINITY ? 0.0f : (m_new == m ? 1.0f : exp2_approx(__fsub_rn(scaled(m, c), ms_new)));
+    const float b = m_g == m_new ? 1.0f : exp2_approx(__fsub_rn(scaled(m_g, c), ms_new));
     l = __fmaf_rn(a, l, __fmul_rn(b, l_g));
 #pragma unroll
     for (int k = 0; k < N; ++k) o[k] = __fmaf_rn(a, o[k], __fmul_rn(b, acc_g[k]));
     m = m_new;
-    ms = ms_new;
 }
 
-/* out = o * (1 / l) and lse = (ms + log2 l) ln 2; a row that saw no key: out = 0, lse = -inf. */
+/* out = o * (1 / l) and lse = (scaled(m) + log2 l) ln 2; a row that saw no key: out = 0, lse = -inf. */
 template <int N>
-__device__ __forceinline__ void finalize_row(float ms, float l, const float (&o)[N], float (&y)[N], float &lse) {
+__device__ __forceinline__ void finalize_row(float m, float l, const float (&o)[N], float (&y)[N], float &lse, float c) {
     const bool empty = l == 0.0f;
     const float inv = empty ? 0.0f : __frcp_rn(l);
 #pragma unroll
     for (int k = 0; k < N; ++k) y[k] = __fmul_rn(o[k], inv);
-    lse = empty ? -INFINITY : __fmul_rn(__fadd_rn(ms, log2_approx(l)), LN2);
+    lse = empty ? -INFINITY : __fmul_rn(__fadd_rn(scaled(m, c), log2_approx(l)), LN2);
 }
 
 /* ------------------------------------ shared-memory tiles ----------------------------------- */
@@ -178,32 +211,56 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem, const uint16_t *b
     }
 }
 
-/* ldmatrix lane addresses (row within a 16-row slab, chunk offset) for the three operand uses:
- *   A operand, rows = mma rows, row-major [row][k]:        a_row, a_chunk
- *   B operand from [n][k] rows (K for S = Q K^T):          b_row, b_chunk   (two n8 tiles per x4)
- *   B operand from [k][n] rows (V for P V), transposed:    t_row, t_chunk   (two n8 tiles per x4) */
-struct LaneOffsets {
-    int a_row, a_chunk, b_row, b_chunk, t_row, t_chunk;
-    __device__ __forceinline__ explicit LaneOffsets(int lane)
-        : a_row((lane & 7) + ((lane >> 3) & 1) * 8), a_chunk(lane >> 4),
-          b_row((lane & 7) + (lane >> 4) * 8), b_chunk((lane >> 3) & 1),
-          t_row((lane & 7) + ((lane >> 3) & 1) * 8), t_chunk(lane >> 4) {}
-};
-
-/* A fragments of a 16-row slab (rows row0 .. row0 + 15 of a tile), k16 step kk. */
-template <int D>
-__device__ __forceinline__ void load_a_fragment(uint32_t (&a)[4], uint32_t tile, int row0, int kk, const LaneOffsets &lo) {
-    ldmatrix_x4<false>(a, tile + swizzled<D>(row0 + lo.a_row, 2 * kk + lo.a_chunk));
+/* The rows of a ROWS x D tile this thread copies (r0 + i ROW_STEP, 16-byte chunk c) from a stream of
+ * tiles: src points at this thread's chunk of the tile's row r0; rows >= rows_in are zero-filled and
+ * not read (`fallback`: any valid address). */
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_thread_rows_async(uint32_t smem, const uint16_t *src, int64_t row_stride,
+                                                       int rows_in, const void *fallback, int tid) {
+    constexpr int CHUNKS_PER_ROW = D / 8;
+    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const bool live = r0 + i * ROW_STEP < rows_in;
+        cp_async_16(smem + swizzled<D>(r0 + i * ROW_STEP, c), live ? (const void *)(src + i * ROW_STEP * row_stride) : fallback,
+                    live ? 16 : 0);
+    }
 }
 
-/* C[16 x 8 NT] (+)= A[16 x 16 KS] * B, B given as rows [n][k] of a tile (n = tile rows n0 ..). */
+/* ldmatrix lane offsets (bytes, within a tile) for the three operand uses, at k16 step 0 / n16
+ * pair 0 of a 16-row slab at tile row 0:
+ *   a: A operand, mma rows are tile rows [row][k]                          (Q, dO, K, V as A)
+ *   b: B operand from tile rows [n][k], two n8 tiles per x4                (K for S = Q K^T)
+ *   t: B operand from tile rows [k][n], transposed, two n8 tiles per x4    (V for P V)
+ * Step kk of the 16-byte chunks 2 kk, 2 kk + 1 is the offset XOR (kk << 5): a lane's rows all have
+ * row & 7 = lane & 7, the swizzle only flips the chunk's low 3 bits, and row * (2 D) has no bits
+ * below 128 (D = 64) / 256 (D = 128), where kk << 5 lives. Slabs further down add whole rows. */
+template <int D>
+struct LaneOffsets {
+    uint32_t a, b, t;
+    __device__ __forceinline__ explicit LaneOffsets(int lane)
+        : a(swizzled<D>((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4)),
+          b(swizzled<D>((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1)),
+          t(swizzled<D>((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4)) {}
+};
+
+/* A fragments of the 16-row slab at tile row row0, k16 step kk. */
+template <int D>
+__device__ __forceinline__ void load_a_fragment(uint32_t (&a)[4], uint32_t tile, int row0, int kk,
+                                                const LaneOffsets<D> &lo) {
+    ldmatrix_x4<false>(a, tile + row0 * (2 * D) + (lo.a ^ (kk << 5)));
+}
+
+/* C[16 x 8 NT] (+)= A[16 x 16] * B for k16 step kk, B given as tile rows [n][k] from row n0. */
 template <bool BF16, int D, int NT, bool FROM_ZERO>
 __device__ __forceinline__ void mma_rows_by_tile_rows(float (&c)[NT][4], const uint32_t (&a)[4], uint32_t tile, int n0,
-                                                      int kk, const LaneOffsets &lo) {
+                                                      int kk, const LaneOffsets<D> &lo) {
+    const uint32_t base = tile + n0 * (2 * D) + (lo.b ^ (kk << 5));
 #pragma unroll
     for (int nj = 0; nj < NT / 2; ++nj) {
         uint32_t r[4];
-        ldmatrix_x4<false>(r, tile + swizzled<D>(n0 + nj * 16 + lo.b_row, 2 * kk + lo.b_chunk));
+        ldmatrix_x4<false>(r, base + nj * 16 * (2 * D));
         const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
         if (FROM_ZERO) {
             mma_16816_zero_acc<BF16>(c[2 * nj], a, b0);
@@ -218,11 +275,11 @@ __device__ __forceinline__ void mma_rows_by_tile_rows(float (&c)[NT][4], const u
 /* C[16 x D] += A[16 x 16] * B with B = tile rows k0 .. k0 + 15 (the k16 step), all D columns. */
 template <bool BF16, int D>
 __device__ __forceinline__ void mma_rows_by_tile_cols(float (&c)[D / 8][4], const uint32_t (&a)[4], uint32_t tile, int k0,
-                                                      const LaneOffsets &lo) {
+                                                      const LaneOffsets<D> &lo) {
 #pragma unroll
     for (int nj = 0; nj < D / 16; ++nj) {
         uint32_t r[4];
-        ldmatrix_x4<true>(r, tile + swizzled<D>(k0 + lo.t_row, 2 * nj + lo.t_chunk));
+        ldmatrix_x4<true>(r, tile + k0 * (2 * D) + (lo.t ^ (nj << 5)));
         const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
         mma_16816<BF16>(c[2 * nj], a, b0);
         mma_16816<BF16>(c[2 * nj + 1], a, b1);
@@ -241,12 +298,25 @@ __device__ __forceinline__ void c_to_a_fragment(uint32_t (&a)[4], const float (&
 
 /* ------------------------------------ forward ----------------------------------------------- */
 
-/* One 64-key block of one warp's 16 rows: the contract's block update. k_tile / v_tile: the block's
- * K and V in shared memory; key0: the absolute position of its first key; row_len: the visible
- * keys of the thread's two rows; masked: some row of the warp cannot see the whole block. */
+/* Maximum of a row half's 16 scores of this thread (exact in any order: a balanced tree). */
+__device__ __forceinline__ float thread_row_max(const float (&s)[BLOCK_N / 8][4], int h) {
+    float m[BLOCK_N / 8];
+#pragma unroll
+    for (int nt = 0; nt < BLOCK_N / 8; ++nt) m[nt] = fmaxf(s[nt][2 * h], s[nt][2 * h + 1]);
+#pragma unroll
+    for (int w = BLOCK_N / 16; w >= 1; w /= 2)
+#pragma unroll
+        for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+    return m[0];
+}
+
+/* One 64-key block of one warp's 16 rows: the contract's block update. qf: the rows' Q fragments;
+ * k_tile / v_tile: the block's K and V in shared memory; key0: the absolute position of its first
+ * key; row_len: the visible keys of the thread's two rows (lane / 4 and lane / 4 + 8); masked: some
+ * row of the warp cannot see the whole block. */
 template <bool BF16, int D>
 __device__ __forceinline__ void attend_block(const uint32_t (&qf)[D / 16][4], uint32_t k_tile, uint32_t v_tile,
-                                             const LaneOffsets &lo, int lane, int key0, const int (&row_len)[2],
+                                             const LaneOffsets<D> &lo, int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&acc)[D / 8][4]) {
     /* S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero */
     float s[BLOCK_N / 8][4];
@@ -254,27 +324,24 @@ __device__ __forceinline__ void attend_block(const uint32_t (&qf)[D / 16][4], ui
 #pragma unroll
     for (int kk = 1; kk < D / 16; ++kk) mma_rows_by_tile_rows<BF16, D, BLOCK_N / 8, false>(s, qf[kk], k_tile, 0, kk, lo);
 
-    const int col0 = key0 + 2 * (lane & 3); /* key of s[0][0] */
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (masked) {
+            const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns of s[.][2h] below are keys < L */
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
-                    if (col0 + nt * 8 + e >= row_len[h]) s[nt][2 * h + e] = -INFINITY;
+                    if (nt * 8 + e >= visible) s[nt][2 * h + e] = -INFINITY;
         }
-        float mx = s[0][2 * h];
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) mx = fmaxf(mx, s[nt][2 * h + e]);
+        float mx = thread_row_max(s, h);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_old = st.m[h];
         const float m_new = fmaxf(m_old, mx);
-        const float ms_new = m_new == -INFINITY ? 0.0f : __fmul_rn(m_new, c);
-        const float alpha = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(st.ms[h], ms_new)));
+        const float ms_new = scaled(m_new, c);
+        const float alpha = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(scaled(m_old, c), ms_new)));
+        /* row sum of the fp32 p: this thread's columns in increasing n8-tile order, then the quad */
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < BLOCK_N / 8; ++nt)
@@ -288,7 +355,6 @@ __device__ __forceinline__ void attend_block(const uint32_t (&qf)[D / 16][4], ui
         sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
         st.l[h] = __fmaf_rn(alpha, st.l[h], sum);
         st.m[h] = m_new;
-        st.ms[h] = ms_new;
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
             acc[nt][2 * h] = __fmul_rn(acc[nt][2 * h], alpha);
@@ -307,23 +373,28 @@ __device__ __forceinline__ void attend_block(const uint32_t (&qf)[D / 16][4], ui
 
 struct FwdParams {
     rlk_attention_tensor q, k, v, out, lse;
-    const int32_t *q_start, *q_len, *k_start, *k_len;
+    Sequences seq;
     int heads_q, heads_kv, group, causal;
     float scale_log2; /* c = softmax_scale * log2(e) */
-    float *partials;  /* split: [batch][max_q_len][heads_q][num_segments] records {m, ms, l, 0, acc[D]} */
-    int max_q_len, num_segments;
+    float *partials;  /* split: [batch][max_q_len][heads_q][num_segments] records {m, l, 0, 0, acc[D]} */
+    int num_segments;
     int64_t rows_total; /* combine: batch * max_q_len * heads_q */
 };
 
+/* 4 warps of 16 rows, two CTAs per SM (the register file holds two of them at 255 registers, and two
+ * CTAs drift apart, so one's softmax overlaps the other's mma; 8-warp CTAs measured 6% slower).
+ * Shared memory: the Q tile, then STAGES (K, V) block pairs; the split schedule, memory bound,
+ * keeps one more block in flight. */
 template <int D, bool SPLIT>
 struct FwdTiles {
-    static constexpr int WARPS = SPLIT ? SPLIT_ROWS / 16 : 8;
+    static constexpr int WARPS = 4;
     static constexpr int ROWS = 16 * WARPS;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int STAGES = SPLIT ? 3 : 2;
     static constexpr int KV_BYTES = BLOCK_N * D * 2; /* one K or V block */
-    static constexpr int SMEM_BYTES = ROWS * D * 2 + STAGES * 2 * KV_BYTES;
-    static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
+    static constexpr int Q_BYTES = ROWS * D * 2;
+    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * 2 * KV_BYTES;
+    static constexpr int MIN_CTAS = 2;
 };
 
 __device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tensor &t, int b, int64_t row, int head) {
@@ -337,11 +408,13 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     constexpr int ROWS = Tiles::ROWS, THREADS = Tiles::THREADS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
     extern __shared__ __align__(128) unsigned char smem[];
     const uint32_t q_tile = smem_u32(smem);
-    const uint32_t kv_ring = q_tile + ROWS * D * 2; /* stage s: K at + 2 s KV_BYTES, V after it */
+    const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.z;
-    const int q_len = p.q_len[b], k_len = p.k_len[b];
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range)) return;
+    const int q_len = range.q_len, k_len = range.k_len;
 
     /* CTA row r is (query (row0 + r) / rows_per_query, head head0 + (row0 + r) % rows_per_query) */
     int row0, rows_per_query, head0, kv_head, segment = 0;
@@ -370,6 +443,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         if (block_begin >= block_end) return;
         block_end = min(block_end, block_begin + BLOCKS_PER_SEGMENT);
     }
+    const int blocks = block_end - block_begin;
     const int warp_row0 = warp * 16;
     const bool warp_has_rows = warp_row0 < rows_in;
     const int warp_max_len = warp_has_rows ? len_of(min(warp_row0 + 15, rows_in - 1)) : 0;
@@ -381,7 +455,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         row_len[h] = r < rows_in ? len_of(r) : 0;
     }
 
-    const int64_t q_row0 = p.q_start[b], k_row0 = p.k_start[b];
+    const int64_t q_row0 = range.q_start, k_row0 = range.k_start;
     load_rows_async<D, ROWS, THREADS>(
         q_tile,
         [&](int r) -> const uint16_t * {
@@ -389,30 +463,27 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         },
         p.q.data, tid);
     cp_async_commit();
-
-    const uint16_t *k_base = row_address(p.k, b, k_row0, kv_head);
-    const uint16_t *v_base = row_address(p.v, b, k_row0, kv_head);
-    auto load_block = [&](int n, int stage) {
-        const int key0 = n * BLOCK_N, keys_in = min(BLOCK_N, k_len - key0);
-        const uint32_t k_dst = kv_ring + stage * 2 * KV_BYTES;
-        load_tile_async<D, BLOCK_N, THREADS>(k_dst, k_base + key0 * p.k.row_stride, p.k.row_stride, keys_in, tid);
-        /* V rows past k_len are zeros: p = 0 there, and 0 * (stale NaN) would poison acc */
-        load_tile_async<D, BLOCK_N, THREADS>(k_dst + KV_BYTES, v_base + key0 * p.v.row_stride, p.v.row_stride, keys_in,
-                                             tid);
+    /* K and V of relative block j go to stage j % STAGES, loaded once each in increasing j, so this
+     * thread's source rows are two running pointers; V rows past k_len are zeros (p = 0 there, and
+     * 0 * (stale NaN) would poison acc) */
+    const int64_t thread_row = k_row0 + block_begin * BLOCK_N + tid / (D / 8), thread_col = 8 * (tid % (D / 8));
+    const uint16_t *k_src = row_address(p.k, b, thread_row, kv_head) + thread_col;
+    const uint16_t *v_src = row_address(p.v, b, thread_row, kv_head) + thread_col;
+    auto load_block = [&](int j) { /* one commit group per block, empty past the last */
+        if (j < blocks) {
+            const uint32_t dst = kv_ring + (j % STAGES) * 2 * KV_BYTES;
+            const int keys_in = k_len - (block_begin + j) * BLOCK_N;
+            load_thread_rows_async<D, BLOCK_N, THREADS>(dst, k_src, p.k.row_stride, keys_in, p.k.data, tid);
+            load_thread_rows_async<D, BLOCK_N, THREADS>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, tid);
+            k_src += BLOCK_N * p.k.row_stride;
+            v_src += BLOCK_N * p.v.row_stride;
+        }
+        cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (block_begin + s < block_end) load_block(block_begin + s, s);
-        cp_async_commit();
-    }
+    for (int j = 0; j < STAGES - 1; ++j) load_block(j);
 
-    const LaneOffsets lo(lane);
-    cp_async_wait<STAGES - 1>(); /* the Q tile, the oldest group */
-    __syncthreads();
-    uint32_t qf[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) load_a_fragment<D>(qf[kk], q_tile, warp_row0, kk, lo);
-
+    const LaneOffsets<D> lo(lane);
     RowPair seg;
     set_empty(seg);
     float acc[D / 8][4];
@@ -424,20 +495,24 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = o[nt][e] = 0.0f;
 
-    for (int n = block_begin; n < block_end; ++n) {
-        const int it = n - block_begin;
-        cp_async_wait<STAGES - 2>(); /* block n has landed */
-        __syncthreads();             /* and every warp is done with the stage refilled below */
-        if (n + STAGES - 1 < block_end) load_block(n + STAGES - 1, (it + STAGES - 1) % STAGES);
-        cp_async_commit();
+    cp_async_wait<STAGES - 1>(); /* the Q tile, the oldest group */
+    __syncthreads();
+    uint32_t qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) load_a_fragment<D>(qf[kk], q_tile, warp_row0, kk, lo);
 
-        const int key0 = n * BLOCK_N;
+    for (int it = 0; it < blocks; ++it) {
+        cp_async_wait<STAGES - 2>(); /* block it has landed */
+        __syncthreads();             /* and every warp is done with the stage refilled below */
+        load_block(it + STAGES - 1);
+
+        const int n = block_begin + it, key0 = n * BLOCK_N;
         if (key0 < warp_max_len) {
             const uint32_t k_tile = kv_ring + (it % STAGES) * 2 * KV_BYTES;
-            attend_block<BF16, D>(qf, k_tile, k_tile + KV_BYTES, lo, lane, key0, row_len,
-                                  key0 + BLOCK_N > warp_min_len, p.scale_log2, seg, acc);
+            attend_block<BF16, D>(qf, k_tile, k_tile + KV_BYTES, lo, lane, key0, row_len, key0 + BLOCK_N > warp_min_len,
+                                  p.scale_log2, seg, acc);
         }
-        if (!SPLIT && ((n + 1) % BLOCKS_PER_SEGMENT == 0 || n + 1 == block_end) &&
+        if (!SPLIT && ((n + 1) % BLOCKS_PER_SEGMENT == 0 || it + 1 == blocks) &&
             (n / BLOCKS_PER_SEGMENT) * SEGMENT < warp_max_len) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -449,7 +524,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                         o_row[2 * nt + e] = o[nt][2 * h + e];
                         acc_row[2 * nt + e] = acc[nt][2 * h + e];
                     }
-                merge_segment<D / 4>(row.m[h], row.ms[h], row.l[h], o_row, seg.m[h], seg.ms[h], seg.l[h], acc_row);
+                merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
 #pragma unroll
                 for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
@@ -471,8 +546,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int i = query_of(r), head = head_of(r);
         if (SPLIT) {
             float *rec = p.partials +
-                         ((((int64_t)b * p.max_q_len + i) * p.heads_q + head) * p.num_segments + segment) * (D + 4);
-            if ((lane & 3) == 0) *(float4 *)rec = make_float4(seg.m[h], seg.ms[h], seg.l[h], 0.0f);
+                         ((((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + segment) * (D + 4);
+            if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt)
                 *(float2 *)(rec + 4 + nt * 8 + col) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
@@ -482,7 +557,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) o_row[2 * nt + e] = o[nt][2 * h + e];
-            finalize_row<D / 4>(row.ms[h], row.l[h], o_row, y, lse);
+            finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
             uint16_t *dst = (uint16_t *)row_address(p.out, b, q_row0 + i, head) + col;
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt)
@@ -503,25 +578,25 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
     if (row >= p.rows_total) return;
     const int head = (int)(row % p.heads_q);
     const int64_t bi = row / p.heads_q;
-    const int i = (int)(bi % p.max_q_len), b = (int)(bi / p.max_q_len);
-    const int q_len = p.q_len[b];
-    if (i >= q_len) return;
-    const int segments = (visible_keys(i, q_len, p.k_len[b], p.causal) + SEGMENT - 1) / SEGMENT;
+    const int i = (int)(bi % p.seq.max_q_len), b = (int)(bi / p.seq.max_q_len);
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range) || i >= range.q_len) return;
+    const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
 
-    float m = -INFINITY, ms = 0.0f, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const float *rec = p.partials + row * p.num_segments * (D + 4);
     for (int s = 0; s < segments; ++s, rec += D + 4) {
-        const float4 st = *(const float4 *)rec;
+        const float2 st = *(const float2 *)rec;
         const float4 a = *(const float4 *)(rec + 4 + 4 * j);
         const float acc[4] = {a.x, a.y, a.z, a.w};
-        merge_segment<4>(m, ms, l, o, st.x, st.y, st.z, acc);
+        merge_segment<4>(m, l, o, st.x, st.y, acc, p.scale_log2);
     }
     float y[4], lse;
-    finalize_row<4>(ms, l, o, y, lse);
-    uint16_t *dst = (uint16_t *)row_address(p.out, b, (int64_t)p.q_start[b] + i, head) + 4 * j;
+    finalize_row<4>(m, l, o, y, lse, p.scale_log2);
+    uint16_t *dst = (uint16_t *)row_address(p.out, b, range.q_start + i, head) + 4 * j;
     *(uint2 *)dst = make_uint2(pack_half2<BF16>(y[0], y[1]), pack_half2<BF16>(y[2], y[3]));
     if (j == 0 && p.lse.data)
-        ((float *)p.lse.data)[b * p.lse.batch_stride + ((int64_t)p.q_start[b] + i) * p.lse.row_stride +
+        ((float *)p.lse.data)[b * p.lse.batch_stride + (range.q_start + i) * p.lse.row_stride +
                               head * p.lse.head_stride] = lse;
 }
 
@@ -529,12 +604,11 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
 
 struct BwdParams {
     rlk_attention_tensor q, k, v, out, lse, dout, dq, dk, dv;
-    const int32_t *q_start, *q_len, *k_start, *k_len;
+    Sequences seq;
     int heads_q, heads_kv, group, causal;
     float scale, scale_log2;
     float2 *stats;       /* [batch][heads_q][stats_pitch] {lse * log2(e), sum_d dout * out} */
     int stats_pitch;     /* max_q_len rounded up to even: two rows are one 16-byte chunk */
-    int max_q_len;
 };
 
 
@@ -547,8 +621,10 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_kernel(const BwdParams
     const int i = (int)(row % p.stats_pitch);
     const int64_t bh = row / p.stats_pitch;
     const int head = (int)(bh % p.heads_q), b = (int)(bh / p.heads_q);
-    const bool live = row < rows_total && i < p.q_len[b]; /* every lane stays for the shuffles */
-    const int64_t q_row = live ? (int64_t)p.q_start[b] + i : 0;
+    SequenceRange range;
+    bool live = row < rows_total; /* every lane stays for the shuffles */
+    if (live) live = load_sequence(p.seq, b, range) && i < range.q_len;
+    const int64_t q_row = live ? range.q_start + i : 0;
     float d = 0.0f;
     if (live) {
         const uint16_t *o = row_address(p.out, b, q_row, head), *g = row_address(p.dout, b, q_row, head);
@@ -609,10 +685,12 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(cons
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.z, kv_head = blockIdx.y, key0 = blockIdx.x * BWD_ROWS;
-    const int q_len = p.q_len[b], k_len = p.k_len[b];
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range)) return;
+    const int q_len = range.q_len, k_len = range.k_len;
     if (key0 >= k_len) return;
     const int keys_in = min(BWD_ROWS, k_len - key0);
-    const int64_t q_row0 = p.q_start[b], k_row0 = (int64_t)p.k_start[b] + key0;
+    const int64_t q_row0 = range.q_start, k_row0 = range.k_start + key0;
 
     /* query blocks that can see key0, per head of the group, in increasing order */
     const int first_query = p.causal ? max(0, key0 - (k_len - q_len)) : 0;
@@ -639,7 +717,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(cons
     if (iters > 0) load_stage(0, 0);
     cp_async_commit();
 
-    const LaneOffsets lo(lane);
+    const LaneOffsets<D> lo(lane);
     const int warp_key0 = key0 + warp * 16;
     const int key_pos[2] = {warp_key0 + (lane >> 2), warp_key0 + (lane >> 2) + 8};
     const float c = p.scale_log2;
@@ -741,10 +819,12 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.z, head = blockIdx.y, kv_head = head / p.group;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BWD_ROWS; /* the causal blocks with the most keys first */
-    const int q_len = p.q_len[b], k_len = p.k_len[b];
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range)) return;
+    const int q_len = range.q_len, k_len = range.k_len;
     const int rows_in = min(BWD_ROWS, q_len - q0);
     if (rows_in <= 0) return;
-    const int64_t q_row0 = (int64_t)p.q_start[b] + q0, k_row0 = p.k_start[b];
+    const int64_t q_row0 = range.q_start + q0, k_row0 = range.k_start;
     auto len_of = [&](int r) { return visible_keys(q0 + r, q_len, k_len, p.causal); };
     const int block_end = (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
     const int warp_row0 = warp * 16;
@@ -777,7 +857,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
     if (block_end > 0) load_block(0, 0);
     cp_async_commit();
 
-    const LaneOffsets lo(lane);
+    const LaneOffsets<D> lo(lane);
     const float c = p.scale_log2;
     float dq[D / 8][4];
 #pragma unroll
@@ -881,6 +961,20 @@ int64_t split_workspace_bytes(const rlk_attention_args *a) {
     return a->batch * a->max_q_len * a->heads_q * split_segments(a) * (a->head_dim + 4) * (int64_t)sizeof(float);
 }
 
+Sequences sequences(const rlk_attention_args *a) {
+    Sequences s;
+    s.q_start = a->q_start;
+    s.q_len = a->q_len;
+    s.k_start = a->k_start;
+    s.k_len = a->k_len;
+    s.max_q_len = a->max_q_len;
+    s.max_k_len = a->max_k_len;
+    s.q_rows = a->q_rows;
+    s.k_rows = a->k_rows;
+    s.bad_index = a->bad_index;
+    return s;
+}
+
 template <bool BF16, int D>
 int run_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
     FwdParams p;
@@ -889,17 +983,13 @@ int run_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stre
     p.v = a->v;
     p.out = a->out;
     p.lse = a->lse;
-    p.q_start = a->q_start;
-    p.q_len = a->q_len;
-    p.k_start = a->k_start;
-    p.k_len = a->k_len;
+    p.seq = sequences(a);
     p.heads_q = (int)a->heads_q;
     p.heads_kv = (int)a->heads_kv;
     p.group = (int)(a->heads_q / a->heads_kv);
     p.causal = a->causal != 0;
     p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
     p.partials = (float *)a->workspace;
-    p.max_q_len = (int)a->max_q_len;
     p.num_segments = (int)split_segments(a);
     p.rows_total = a->batch * a->max_q_len * a->heads_q;
     if (p.rows_total == 0) return RLK_OK;
@@ -947,10 +1037,7 @@ int run_bwd(const rlk_attention_args *a, cudaStream_t stream) {
     p.dq = a->dq;
     p.dk = a->dk;
     p.dv = a->dv;
-    p.q_start = a->q_start;
-    p.q_len = a->q_len;
-    p.k_start = a->k_start;
-    p.k_len = a->k_len;
+    p.seq = sequences(a);
     p.heads_q = (int)a->heads_q;
     p.heads_kv = (int)a->heads_kv;
     p.group = (int)(a->heads_q / a->heads_kv);
@@ -959,7 +1046,6 @@ int run_bwd(const rlk_attention_args *a, cudaStream_t stream) {
     p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
     p.stats = (float2 *)a->workspace;
     p.stats_pitch = (int)((a->max_q_len + 1) & ~(int64_t)1);
-    p.max_q_len = (int)a->max_q_len;
     if (a->batch == 0) return RLK_OK;
 
     cudaError_t err = cudaSuccess;
