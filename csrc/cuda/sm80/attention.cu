@@ -22,11 +22,14 @@
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm80_forced takes either on request.
  * Shared memory: prefill 64 x d Q tile + 2 x (K, V) blocks = 80 KB (d = 128) / 40 KB (d = 64);
- * split 64 x d Q tile + 3 x (K, V) blocks = 112 KB / 56 KB. Registers (ptxas, sm_90 / sm_80, no
- * spills): prefill 255 / 189 (d = 128 / 64), split 216 / 152, combine 31, backward dK/dV 250 / 186,
- * dQ 230 / 184, prep 32. Throughput (H100, bf16, d = 128, causal, GQA 32/8): the prefill kernel is
- * bound by shared-memory operand traffic and latency (a 16-row warp issues one ldmatrix per two
- * mma); a 32-row warp would halve that but cannot hold two accumulator sets in registers.
+ * split 64 x d Q tile + 3 x (K, V) blocks = 112 KB / 56 KB. Registers (ptxas sm_90, d = 128 / 64,
+ * no spills, sm_80 alike): prefill 255 / 189, split 216 / 152, combine 31, backward dK/dV 250 / 184,
+ * dQ 231 / 184, prep 32 / 28.
+ * Measured (H100, bf16, d = 128, causal, GQA 32/8, scripts/attention_sm80_probe.py): prefill forward
+ * 233-244 TFLOP/s at T = 4k (flash SDPA 303-318, cuDNN 531), fwd+bwd 212; decode over an 8k cache
+ * 23 us at B = 1, 2.7 TB/s at B = 16, 2.9 TB/s at B = 64. The prefill kernel is bound by
+ * shared-memory operand traffic and latency: a 16-row warp issues one ldmatrix per two mma (a
+ * 32-row warp would halve that, but cannot hold two accumulator sets in registers).
  *
  * Why the two schedules give the same bits for a row:
  *   - the block update (attend_block), the segment merge (merge_segment) and the normalization
@@ -195,22 +198,6 @@ __device__ __forceinline__ void load_rows_async(uint32_t smem, RowPtr row_ptr, c
     }
 }
 
-/* The same for rows base + r * row_stride, r < rows_in (>= 1); base stands in for the rows past it. */
-template <int D, int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile_async(uint32_t smem, const uint16_t *base, int64_t row_stride, int rows_in,
-                                                int tid) {
-    constexpr int CHUNKS_PER_ROW = D / 8;
-    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
-    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
-    const uint16_t *src = base + r0 * row_stride + 8 * c;
-#pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i, src += ROW_STEP * row_stride) {
-        const bool live = r0 + i * ROW_STEP < rows_in;
-        cp_async_16(smem + swizzled<D>(r0 + i * ROW_STEP, c), live ? src : base, live ? 16 : 0);
-    }
-}
-
 /* The rows of a ROWS x D tile this thread copies (r0 + i ROW_STEP, 16-byte chunk c) from a stream of
  * tiles: src points at this thread's chunk of the tile's row r0; rows >= rows_in are zero-filled and
  * not read (`fallback`: any valid address). */
@@ -218,14 +205,24 @@ template <int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_thread_rows_async(uint32_t smem, const uint16_t *src, int64_t row_stride,
                                                        int rows_in, const void *fallback, int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
+    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
     constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
     const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
 #pragma unroll
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
         const bool live = r0 + i * ROW_STEP < rows_in;
-        cp_async_16(smem + swizzled<D>(r0 + i * ROW_STEP, c), live ? (const void *)(src + i * ROW_STEP * row_stride) : fallback,
-                    live ? 16 : 0);
+        cp_async_16(smem + swizzled<D>(r0 + i * ROW_STEP, c),
+                    live ? (const void *)(src + i * ROW_STEP * row_stride) : fallback, live ? 16 : 0);
     }
+}
+
+/* The whole tile of rows base + r * row_stride, r < rows_in (>= 1; base stands in for the rest). */
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile_async(uint32_t smem, const uint16_t *base, int64_t row_stride, int rows_in,
+                                                int tid) {
+    constexpr int CHUNKS_PER_ROW = D / 8;
+    load_thread_rows_async<D, ROWS, THREADS>(
+        smem, base + (tid / CHUNKS_PER_ROW) * row_stride + 8 * (tid % CHUNKS_PER_ROW), row_stride, rows_in, base, tid);
 }
 
 /* ldmatrix lane offsets (bytes, within a tile) for the three operand uses, at k16 step 0 / n16
