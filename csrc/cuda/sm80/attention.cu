@@ -74,8 +74,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../../ops/attention.h"
 #include "../common.cuh"
-#include "ops/attention.h"
 
 namespace {
 
