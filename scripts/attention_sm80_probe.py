@@ -71,9 +71,11 @@ class Args(ctypes.Structure):
 
 def build(keep_dir=None):
     major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}" if major < 9 else "90"
     if major < 8:
         sys.exit("needs sm_80 or newer")
+    # SASS for this GPU up to sm_90; newer GPUs JIT the compute_90 PTX
+    arch = f"{major}{minor}" if major < 9 else "90"
+    code = f"sm_{arch}" if major <= 9 else "compute_90"
     out_dir = keep_dir or tempfile.mkdtemp(prefix="attn_probe_")
     os.makedirs(out_dir, exist_ok=True)
     glue = os.path.join(out_dir, "probe_glue.cu")
@@ -81,7 +83,7 @@ def build(keep_dir=None):
         f.write(GLUE)
     lib = os.path.join(out_dir, "libattention_sm80.so")
     cmd = ["nvcc", "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
-           "-Xptxas", "-v", f"-I{os.path.join(ROOT, 'csrc')}", "-gencode", f"arch=compute_{arch},code=sm_{arch}",
+           "-Xptxas", "-v", f"-I{os.path.join(ROOT, 'csrc')}", "-gencode", f"arch=compute_{arch},code={code}",
            glue, "-o", lib]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -89,7 +91,7 @@ def build(keep_dir=None):
         print(r.stdout + r.stderr)
         sys.exit("nvcc failed")
     spills = [l for l in r.stderr.splitlines() if "spill" in l and not l.strip().startswith("0 bytes stack frame, 0 bytes spill")]
-    print(f"built {lib} for sm_{arch} in {time.time() - t0:.0f} s; ptxas spill lines: {spills if spills else 'none'}")
+    print(f"built {lib} for {code} in {time.time() - t0:.0f} s; ptxas spill lines: {spills if spills else 'none'}")
     return ctypes.CDLL(lib)
 
 
