@@ -177,8 +177,16 @@ def _check_qkv(op, q, k, v):
                              f"tensors take any)")
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"{op}(): CUDA attention takes bfloat16 or float16, got {q.dtype}")
-    # the head dim must be contiguous; everything else may be strided
-    return tuple(t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # the head dim must be contiguous, everything else may be strided; CUDA operands are presented
+    # with 16-byte aligned rows (as the binding presents GEMM operands), copied if they are not
+    return tuple(t.contiguous() if _needs_copy(t) else t for t in (q, k, v))
+
+
+def _needs_copy(t):
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return True
+    return t.is_cuda and (t.data_ptr() % 16 != 0 or
+                          any(s * t.element_size() % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
 
 
 def _check_bool(op, name, value):

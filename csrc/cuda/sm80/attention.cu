@@ -1,4 +1,4 @@
-/* attention_sm80.cu: prefill/decode-invariant attention on tensor cores (mma.sync, sm_80 and later;
+/* sm80/attention.cu: prefill/decode-invariant attention on tensor cores (mma.sync, sm_80 and later;
  * runs on H100 through its sm_90 SASS). The contract is csrc/ops/attention.h.
  *
  * Forward. Per query row: keys cut into segments of 512 at absolute positions 0, 512, ..., each cut
