@@ -1,5 +1,6 @@
 """Small GPU problems that touch every kernel once (all GEMM backends and layouts, tails, the fp32
-path, linear_logp forward, dlogits and backward): run under compute-sanitizer by gpu_check.sh."""
+path, linear_logp forward, dz and backward, attention prefill / split-KV decode / backward, the row
+ops forward and backward): run under compute-sanitizer by gpu_check.sh."""
 
 import torch
 
@@ -29,6 +30,21 @@ def main():
         t[3] = -100
         logp, ent = rl_kernels.linear_logp(h, w, t, temperature=0.7, return_entropy=True)
         (logp.sum() + ent.sum()).backward()
+    if kernel_registry.backend_status("attention", "sm80")[0]:
+        q = randn(2, 70, 4, 64).requires_grad_()
+        k, v = randn(2, 70, 2, 64).requires_grad_(), randn(2, 70, 2, 64).requires_grad_()
+        rl_kernels.attention(q, k, v).sum().backward()  # prefill schedule + backward
+        cache_k, cache_v = randn(2, 600, 2, 64), randn(2, 600, 2, 64)
+        lengths = torch.tensor([530, 17], dtype=torch.int32, device="cuda")
+        rl_kernels.attention_with_kvcache(randn(2, 1, 4, 64), cache_k, cache_v, lengths,
+                                          k_new=randn(2, 1, 2, 64), v_new=randn(2, 1, 2, 64))
+    if kernel_registry.backend_status("rms_norm", "sm80")[0]:
+        x, w = randn(37, 300).requires_grad_(), randn(300).requires_grad_()
+        rl_kernels.rms_norm(x, w).sum().backward()
+        for op in (rl_kernels.softmax, rl_kernels.log_softmax):
+            y = op(randn(5, 5000).requires_grad_())
+            y.backward(torch.ones_like(y))
+        rl_kernels.row_mean(randn(9, 4097))
     torch.cuda.synchronize()
     print("sanitizer cases done")
 

@@ -108,9 +108,12 @@ int rlk_run_planned(const char *entry, int backend, const tensor_arg *ref, rlk_c
 int rlk_align_cuda_matrix(const tensor_arg *t, const void **data, int64_t outer, int64_t inner, int64_t *ld,
                           const rlk_context *ctx, PyObject **owner) {
     *owner = NULL;
-    if (t->device.device_type != kDLCUDA || (uintptr_t)*data % 16 == 0 || outer == 0 || inner == 0) return 0;
+    const int64_t elem = (int64_t)rlk_dtype_size(t->dtype);
+    const int aligned = (uintptr_t)*data % 16 == 0 && (outer <= 1 || (*ld * elem) % 16 == 0);
+    if (t->device.device_type != kDLCUDA || aligned || outer == 0 || inner == 0) return 0;
 #ifdef RLK_WITH_CUDA
-    const int64_t shape[2] = {outer, inner};
+    const int64_t pitch = (inner * elem + 15) / 16 * 16 / elem; /* rows of the copy: 16-byte multiples */
+    const int64_t shape[2] = {outer, pitch};
     PyObject *copy = tensor_arg_new_like(t, "aligned copy", 2, shape, t->dtype);
     if (copy == NULL) return -1;
     tensor_arg view;
@@ -118,16 +121,15 @@ int rlk_align_cuda_matrix(const tensor_arg *t, const void **data, int64_t outer,
         Py_DECREF(copy);
         return -1;
     }
-    const size_t elem = rlk_dtype_size(t->dtype);
     int previous;
     cudaError_t err = enter_device(t->device.device_id, &previous) == 0 ? cudaSuccess : cudaErrorInvalidDevice;
     if (err == cudaSuccess) {
-        err = cudaMemcpy2DAsync(view.data, (size_t)inner * elem, *data, (size_t)*ld * elem, (size_t)inner * elem,
+        err = cudaMemcpy2DAsync(view.data, (size_t)(pitch * elem), *data, (size_t)(*ld * elem), (size_t)(inner * elem),
                                 (size_t)outer, cudaMemcpyDeviceToDevice, (cudaStream_t)ctx->stream);
         leave_device(t->device.device_id, previous);
     }
     *data = view.data;
-    *ld = inner;
+    *ld = pitch;
     tensor_arg_release(&view);
     if (err != cudaSuccess) {
         if (!PyErr_Occurred())

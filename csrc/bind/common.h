@@ -63,12 +63,13 @@ int rlk_run(const char *entry, int backend, const tensor_arg *ref, rlk_caller ca
 int rlk_run_planned(const char *entry, int backend, const tensor_arg *ref, rlk_caller call,
                     const void *args, void **workspace, rlk_context *ctx);
 
-/* CUDA operands are presented 16-byte aligned: a matrix whose base is not (a view starting mid-row,
- * say) is copied, values unchanged, to fresh memory from t's framework on the launch's stream, so where
- * a slice starts never decides which kernel runs. The matrix is outer x inner elements, inner
- * contiguous, *ld elements between outer rows; *data and *ld then describe the copy, and *owner
- * (NULL when nothing was copied) keeps it alive until the caller has launched. CPU tensors: no-op.
- * 0, or -1 with a Python exception. */
+/* CUDA operands are presented with 16-byte aligned rows: a matrix whose base or row stride is not a
+ * multiple of 16 bytes (a view starting mid-row, an odd leading dimension) is copied, values
+ * unchanged, to fresh memory from t's framework with rows padded to 16 bytes, on the launch's
+ * stream, so neither where a slice starts nor how its rows are spaced decides which kernel runs. The
+ * matrix is outer x inner elements, inner contiguous, *ld elements between outer rows; *data and *ld
+ * then describe the copy, and *owner (NULL when nothing was copied) keeps it alive until the caller
+ * has launched. CPU tensors: no-op. 0, or -1 with a Python exception. */
 int rlk_align_cuda_matrix(const tensor_arg *t, const void **data, int64_t outer, int64_t inner, int64_t *ld,
                           const rlk_context *ctx, PyObject **owner);
 
