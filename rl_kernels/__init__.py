@@ -16,6 +16,11 @@ from .ops.gemm import addmm, gemm, matmul
 from .ops.linear_logp import linear_logp
 from .ops.native import NativeLinearLogpOp, NativeMatmulOp
 from .ops.row_ops import log_softmax, rms_norm, row_mean, row_sum, softmax
+# the mode and the checker; the submodule names stay importable (from rl_kernels.batch_invariant
+# import covers), while rl_kernels.batch_invariant / rl_kernels.strict are the functions below
+from .batch_invariant import (batch_invariant, disable_batch_invariant, enable_batch_invariant,
+                              is_batch_invariant)
+from .strict import strict
 
 __version__ = "0.1.0"
 
@@ -33,7 +38,8 @@ def get_num_threads() -> int:
 __all__ = [
     "AddmmOp", "AttentionOp", "DetGemmOp", "GemmOp", "LinearLogp", "LinearLogpOp", "LogSoftmaxOp",
     "MatmulOp", "NativeLinearLogpOp", "NativeMatmulOp", "RmsNormOp", "RowMeanOp", "RowSumOp",
-    "SoftmaxOp", "addmm", "attention", "attention_with_kvcache", "describe", "det_gemm", "gemm",
-    "get_num_threads", "get_op", "kernel_registry", "linear_logp", "log_softmax", "matmul",
-    "rms_norm", "row_mean", "row_sum", "set_num_threads", "softmax",
+    "SoftmaxOp", "addmm", "attention", "attention_with_kvcache", "batch_invariant", "describe",
+    "det_gemm", "disable_batch_invariant", "enable_batch_invariant", "gemm", "get_num_threads",
+    "get_op", "is_batch_invariant", "kernel_registry", "linear_logp", "log_softmax", "matmul",
+    "rms_norm", "row_mean", "row_sum", "set_num_threads", "softmax", "strict",
 ]

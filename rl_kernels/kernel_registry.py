@@ -9,10 +9,11 @@ nowhere else; sm80: >= 8.0; cpu: always).
 
 Routing is per call by the inputs' device: CPU tensors go to the CPU backend even on a GPU machine,
 CUDA tensors to the first usable CUDA backend in kernels.def order. ``RL_KERNELS_BACKEND`` (read at
-import; a name that is not a backend raises there) or the ``backend=`` argument force one backend;
-forcing one that cannot run raises RuntimeError saying why. Within a backend, the C launchers decide
-per call which kernel takes the arguments (by dtypes and layouts, never by the row count) and
-follow the fallbacks of kernels.def; ``last_kernel()`` names the kernel that ran.
+import; a name that is not a backend raises there, naming the variable; "" or "auto" leave routing
+by device) or the ``backend=`` argument force one backend; forcing one that cannot run raises
+RuntimeError saying why (and naming the variable when it did the forcing). Within a backend, the C
+launchers decide per call which kernel takes the arguments (by dtypes and layouts, never by the row
+count) and follow the fallbacks of kernels.def; ``last_kernel()`` names the kernel that ran.
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ GPU_BACKENDS = tuple(b for b in BACKENDS if _BACKENDS[b]["device"] == "cuda")
 _COMPILED = {(entry, backend) for entry, backend, _ in _C.kernels()}
 
 
+def _near_miss(value: str) -> str:
+    """' (did you mean 'cpu'?)' for 'CPU' or 'cpu ', else ''."""
+    near = value.strip().lower()
+    return f" (did you mean {near!r}?)" if near != value and near in (*_BACKENDS, "auto") else ""
+
+
 def _env_backend():
     value = os.environ.get("RL_KERNELS_BACKEND")
-    if value is None or value == "":
+    if value is None or value in ("", "auto"):
         return None
     if value not in _BACKENDS:
-        raise ValueError(f"RL_KERNELS_BACKEND={value!r} is not a backend; expected one of "
-                         f"{', '.join(BACKENDS)}, or leave it unset")
+        raise ValueError(f"RL_KERNELS_BACKEND={value!r} is not a backend{_near_miss(value)}; "
+                         f"expected one of {', '.join(BACKENDS)}, or auto, or leave it unset")
     return value
 
 
@@ -74,14 +81,25 @@ def known_ops():
 
 def _op_class(name):
     ops = _ops()
+    if not isinstance(name, str):
+        raise TypeError(f"op name must be a str (one of {', '.join(sorted(ops))}), got "
+                        f"{type(name).__name__}")
     if name not in ops:
         raise KeyError(f"unknown op {name!r}; known ops: {', '.join(sorted(ops))}")
     return ops[name]
 
 
 def check_backend_name(backend) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str (one of {', '.join(BACKENDS)}), got "
+                        f"{type(backend).__name__}")
     if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown backend {backend!r}{_near_miss(backend)}; expected one of "
+                         f"{', '.join(BACKENDS)}")
+
+
+def _env_note(from_env: bool) -> str:
+    return f" (set by RL_KERNELS_BACKEND={_ENV_BACKEND})" if from_env else ""
 
 
 def kernel_chain(entry: str, backend: str) -> list[str]:
@@ -117,14 +135,16 @@ def backend_status(op: str, backend: str, device_index: int | None = None) -> tu
 
 
 @functools.lru_cache(maxsize=None)
-def _resolve(op: str, device_type: str, device_index: int | None, forced: str | None) -> str:
+def _resolve(op: str, device_type: str, device_index: int | None, forced: str | None,
+             from_env: bool = False) -> str:
     if forced is not None:
         check_backend_name(forced)
     if device_type not in ("cpu", "cuda"):
         raise RuntimeError(f"{op}: tensors on {device_type!r} are not supported (cpu or cuda)")
     if forced is not None and _BACKENDS[forced]["device"] != device_type:
-        raise RuntimeError(f"{op}: backend {forced!r} runs on {_BACKENDS[forced]['device'].upper()} "
-                           f"tensors, got {device_type.upper()} tensors")
+        raise RuntimeError(f"{op}: backend {forced!r}{_env_note(from_env)} runs on "
+                           f"{_BACKENDS[forced]['device'].upper()} tensors, got "
+                           f"{device_type.upper()} tensors")
     candidates = (forced,) if forced is not None else tuple(
         b for b in BACKENDS if _BACKENDS[b]["device"] == device_type)
     reasons = []
@@ -134,25 +154,32 @@ def _resolve(op: str, device_type: str, device_index: int | None, forced: str | 
             return backend
         reasons.append(f"{backend}: {why}")
     where = "cpu" if device_type == "cpu" else f"cuda:{device_index}"
-    raise RuntimeError(f"{op}: no usable backend on {where} ({'; '.join(reasons)})")
+    raise RuntimeError(f"{op}: no usable backend on {where} ({'; '.join(reasons)})"
+                       f"{_env_note(from_env)}")
 
 
 def resolve_backend(op: str, device: torch.device, backend: str | None = None) -> str:
     """The backend that runs ``op`` on tensors of ``device``; ``backend`` (or the environment
     variable RL_KERNELS_BACKEND) forces one."""
-    return _resolve(op, device.type, device.index, backend if backend is not None else _ENV_BACKEND)
+    if backend is not None:
+        return _resolve(op, device.type, device.index, backend)
+    return _resolve(op, device.type, device.index, _ENV_BACKEND, _ENV_BACKEND is not None)
 
 
 def get_op(name: str, backend: str | None = None) -> torch.nn.Module:
     """An nn.Module running op ``name``. ``backend`` (or RL_KERNELS_BACKEND) forces cpu, sm80 or
-    sm90: checked now, and the module then refuses inputs on a device that backend cannot serve."""
+    sm90: checked now, and the module then refuses inputs on a device that backend cannot serve.
+    None or "auto": the best usable backend for the inputs' device."""
     cls = _op_class(name)
+    if backend == "auto":
+        backend = None
     forced = backend if backend is not None else _ENV_BACKEND
     if forced is not None:
         check_backend_name(forced)
         usable, why = backend_status(name, forced)
         if not usable:
-            raise RuntimeError(f"{name}: backend {forced!r} is not usable: {why}")
+            raise RuntimeError(f"{name}: backend {forced!r}{_env_note(backend is None)} is not "
+                               f"usable: {why}")
     return cls(backend=backend)
 
 
@@ -177,4 +204,10 @@ def format_table(rows=None) -> str:
     for r in rows:
         lines.append(f"{r['op']:<12} {r['backend']:<8} {'yes' if r['usable'] else 'no':<7} "
                      f"{r['why_not'] or '-':<24} {r['kernels']}")
+    if _ENV_BACKEND is not None:
+        forced = _ENV_BACKEND
+        unusable = sorted({r["op"] for r in rows if r["backend"] == forced and not r["usable"]})
+        lines.append(f"RL_KERNELS_BACKEND={_ENV_BACKEND}: every call without backend= runs on "
+                     f"{_ENV_BACKEND}" + (f"; here that raises for {', '.join(unusable)} (see "
+                                          f"'why not')" if unusable else ""))
     return "\n".join(lines)

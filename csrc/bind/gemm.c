@@ -202,7 +202,7 @@ PyObject *py_gemm(PyObject *self, PyObject *args) {
     PyObject *new_out = NULL; /* out = None: allocated here, returned */
     int ok = tensor_arg_parse(a_obj, "a", 0, &t[0]) == 0 &&
              tensor_arg_parse(b_obj, "b", 0, &t[1]) == 0 &&
-             tensor_arg_parse(beta == 0.0 ? Py_None : c_obj, "c", 1, &t[2]) == 0;
+             tensor_arg_parse(beta == 0.0 || (float)beta == 0.0f ? Py_None : c_obj, "c", 1, &t[2]) == 0;
     if (ok && out_obj == Py_None) {
         new_out = new_gemm_out(&t[0], &t[1], out_dtype);
         ok = new_out != NULL;
@@ -213,9 +213,10 @@ PyObject *py_gemm(PyObject *self, PyObject *args) {
     PyObject *a_copy = NULL, *b_copy = NULL;
     if (ok && call.batch > 0 && call.args.M > 0 && call.args.N > 0) {
         rlk_gemm_args *g = &call.args;
-        g->alpha = (float)alpha;
-        g->beta = (float)beta;
-        if (alpha == 0.0) g->K = 0; /* BLAS: A @ B is not read */
+        g->alpha = alpha;
+        g->beta = beta;
+        /* BLAS: A @ B is not read when alpha is 0 as the kernel applies it (fp32 unless fp64) */
+        if ((g->in_dtype == RLK_F64 ? alpha : (double)(float)alpha) == 0.0) g->K = 0;
         rlk_context ctx = rlk_context_for(backend, stream);
         if (call.batch == 1 && g->K > 0)
             ok = rlk_align_cuda_matrix(&t[0], &g->a, g->a_trans ? g->K : g->M, g->a_trans ? g->M : g->K, &g->lda, &ctx,

@@ -285,7 +285,7 @@ static int run_gemm(int backend, const tensor_arg *ref, rlk_context *ctx, int64_
     const rlk_gemm_args g = {.M = M, .N = N, .K = K, .in_dtype = in_dtype, .out_dtype = out_dtype,
                              .a = a, .lda = lda, .a_trans = a_trans, .b = b, .ldb = ldb, .b_trans = b_trans,
                              .c = c, .ldc = c == out ? ldo : 0, .out = out, .ldo = ldo,
-                             .alpha = 1.0f, .beta = c != NULL ? 1.0f : 0.0f};
+                             .alpha = 1.0, .beta = c != NULL ? 1.0 : 0.0};
     return rlk_run("gemm", backend, ref, call_gemm, &g, ctx, NULL);
 }
 

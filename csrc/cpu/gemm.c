@@ -165,6 +165,7 @@ static void gemm_tile_f32(const rlk_gemm_args *g, micro_kernel_fn micro_kernel, 
     float *apack = work, *bpack = apack + MC * KC, *acc = bpack + KC * NC, *c_row = acc + MC * NC;
     const int64_t mc = rlk_min64(MC, g->M - i0), nc = rlk_min64(NC, g->N - j0);
     const int64_t mc_padded = round_up(mc, MR), nc_padded = round_up(nc, NR);
+    const float alpha = (float)g->alpha, beta = (float)g->beta;
     if (g->K == 0) memset(acc, 0, sizeof(float) * MC * NC);
     for (int64_t k0 = 0; k0 < g->K; k0 += KC) {
         const int64_t kc = rlk_min64(KC, g->K - k0);
@@ -178,9 +179,9 @@ static void gemm_tile_f32(const rlk_gemm_args *g, micro_kernel_fn micro_kernel, 
         float *acc_row = acc + i * NC;
         if (g->c) {
             rlk_load_row_f32(c_row, 1, g->c, g->out_dtype, (i0 + i) * g->ldc + j0, nc);
-            for (int64_t j = 0; j < nc; j++) acc_row[j] = fmaf(g->beta, c_row[j], g->alpha * acc_row[j]);
+            for (int64_t j = 0; j < nc; j++) acc_row[j] = fmaf(beta, c_row[j], alpha * acc_row[j]);
         } else {
-            for (int64_t j = 0; j < nc; j++) acc_row[j] = g->alpha * acc_row[j];
+            for (int64_t j = 0; j < nc; j++) acc_row[j] = alpha * acc_row[j];
         }
         rlk_store_row_f32(g->out, g->out_dtype, (i0 + i) * g->ldo + j0, acc_row, nc);
     }
@@ -210,12 +211,12 @@ static void gemm_tile_f64(const rlk_gemm_args *g, int64_t i0, int64_t j0, double
     }
     for (int64_t i = 0; i < mc; i++) {
         for (int64_t j = 0; j < nc; j++) {
-            double r = (double)g->alpha * acc[i * NC64 + j];
+            double r = g->alpha * acc[i * NC64 + j];
             const int64_t c_index = (i0 + i) * g->ldc + j0 + j, out_index = (i0 + i) * g->ldo + j0 + j;
             if (g->c) {
                 const double c = g->out_dtype == RLK_F64 ? ((const double *)g->c)[c_index]
                                                          : (double)((const float *)g->c)[c_index];
-                r = fma((double)g->beta, c, r);
+                r = fma(g->beta, c, r);
             }
             if (g->out_dtype == RLK_F64) ((double *)g->out)[out_index] = r;
             else ((float *)g->out)[out_index] = (float)r;

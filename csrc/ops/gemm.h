@@ -11,8 +11,8 @@
  * Pointers carry no alignment promise beyond the element size; lda/ldb/ldc/ldo may be odd.
  *
  * Types: a and b have in_dtype; c and out have out_dtype (in_dtype or fp32). Products and sums in
- * fp32 (fp64 for RLK_F64 on the CPU); alpha * acc + beta * c is formed in fp32 and rounded once to
- * out_dtype. BLAS semantics are the binding's: alpha == 0 reaches a launcher as K == 0 (A and B
+ * fp32 (fp64 for RLK_F64 on the CPU); alpha * acc + beta * c is formed in fp32 with alpha and beta
+ * rounded to fp32 (in fp64 with them as given for RLK_F64) and rounded once to out_dtype. BLAS semantics are the binding's: alpha == 0 reaches a launcher as K == 0 (A and B
  * are not read), beta == 0 as c == NULL (C is not read).
  *
  * Batch invariance: for every output element the K reduction runs in one order that depends on
@@ -45,7 +45,7 @@ typedef struct rlk_gemm_args {
     int64_t ldc;
     void *out;
     int64_t ldo;
-    float alpha, beta;
+    double alpha, beta; /* as given; the fp32 kernels round them to fp32 */
 } rlk_gemm_args;
 
 typedef int rlk_gemm_fn(const rlk_gemm_args *args, rlk_context *ctx);

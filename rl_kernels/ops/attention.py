@@ -177,16 +177,17 @@ def _check_qkv(op, q, k, v):
                              f"tensors take any)")
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"{op}(): CUDA attention takes bfloat16 or float16, got {q.dtype}")
-    # the head dim must be contiguous, everything else may be strided; CUDA operands are presented
-    # with 16-byte aligned rows (as the binding presents GEMM operands), copied if they are not
-    return tuple(t.contiguous() if _needs_copy(t) else t for t in (q, k, v))
+    # the head dim must be contiguous; everything else may be strided
+    return tuple(t.contiguous() if t.shape[-1] > 1 and t.stride(-1) != 1 else t for t in (q, k, v))
 
 
-def _needs_copy(t):
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        return True
-    return t.is_cuda and (t.data_ptr() % 16 != 0 or
-                          any(s * t.element_size() % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+def _aligned_rows(t):
+    """t, or a contiguous copy when it is a CUDA tensor whose rows are not 16-byte aligned: CUDA
+    operands are presented with aligned rows (as the binding presents GEMM operands), so a view's
+    offset never decides whether a kernel can take it. Runs inside the op (real tensors)."""
+    misaligned = t.is_cuda and (t.data_ptr() % 16 != 0 or any(
+        s * t.element_size() % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+    return t.contiguous() if misaligned else t
 
 
 def _check_bool(op, name, value):
@@ -294,6 +295,7 @@ def _forward_impl(q, k, v, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
                   backend):
     BAD_RANGE.raise_if_set()
     code, stream = backend_and_stream("attention", q.device, backend)
+    q, k, v = _aligned_rows(q), _aligned_rows(k), _aligned_rows(v)
     out = torch.zeros_like(q)  # rows outside the sequences stay 0
     lse = torch.full(_lse_shape(q), -math.inf, device=q.device,
                      dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -306,6 +308,7 @@ def _backward_impl(q, k, v, out, lse, dout, q_start, q_len, k_start, k_len, max_
                    causal, scale, backend):
     BAD_RANGE.raise_if_set()
     code, stream = backend_and_stream("attention", q.device, backend)
+    q, k, v, out, dout = (_aligned_rows(x) for x in (q, k, v, out, dout))
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     _C.attention_bwd(q, k, v, out, lse, dout, dq, dk, dv, q_start, q_len, k_start, k_len,
                      max_q_len, max_k_len, causal, scale, BAD_RANGE.address(q.device), code, stream)

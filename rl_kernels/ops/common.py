@@ -8,7 +8,7 @@ import numbers
 import torch
 
 from .. import _C
-from ..kernel_registry import backend_code, resolve_backend
+from ..kernel_registry import BACKENDS, backend_code, resolve_backend
 
 LIBRARY = torch.library.Library("rl_kernels", "DEF")
 
@@ -26,8 +26,12 @@ def backend_and_stream(op: str, device: torch.device, backend: str | None) -> tu
     """(backend code for _C, raw CUDA stream handle or 0 on the CPU) for a call of `op` on tensors
     of `device`; backend None or "auto" picks the best usable one."""
     key = (op, device, backend)
-    code = _resolved.get(key)
+    try:
+        code = _resolved.get(key)
+    except TypeError:  # an unhashable backend= (a list, ...): check_backend below says so
+        code = None
     if code is None:
+        check_backend(op, backend)
         name = resolve_backend(op, device, None if backend == "auto" else backend)
         code = _resolved[key] = backend_code(name)
     if device.type == "cuda":
@@ -52,10 +56,35 @@ def eager_direct(*tensors) -> bool:
     return True
 
 
+def type_name(value) -> str:
+    """The type of value as an error message names it: 'list', 'NoneType', 'numpy.int64'."""
+    cls = type(value)
+    module = cls.__module__
+    if module == "builtins":
+        return cls.__qualname__
+    return f"{module.split('.')[0]}.{cls.__qualname__}"
+
+
+_BACKEND_ARGS = frozenset((*BACKENDS, "auto"))
+
+
+def check_backend(op: str, backend) -> None:
+    """backend= of a public function: None, "auto" or a backend name (TypeError / ValueError naming
+    the argument otherwise; a near miss such as 'CPU' or 'cpu ' is pointed out)."""
+    if backend is None or (type(backend) is str and backend in _BACKEND_ARGS):
+        return
+    choices = f"None, 'auto', {', '.join(repr(b) for b in BACKENDS)}"
+    if not isinstance(backend, str):
+        raise TypeError(f"{op}(): backend must be a str ({choices}), got {type_name(backend)}")
+    near = backend.strip().lower()
+    hint = f" (did you mean {near!r}?)" if near in _BACKEND_ARGS else ""
+    raise ValueError(f"{op}(): unknown backend {backend!r}{hint}; expected {choices}")
+
+
 def check_tensor(op: str, name: str, value) -> None:
     """TypeError naming the argument unless value is a torch.Tensor."""
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{op}(): {name} must be a torch.Tensor, got {type(value).__name__}")
+        raise TypeError(f"{op}(): {name} must be a torch.Tensor, got {type_name(value)}")
     if value.layout is not torch.strided:
         raise TypeError(f"{op}(): {name} must be a dense (strided) tensor, got layout {value.layout}")
 
@@ -76,15 +105,50 @@ def check_float_tensors(op: str, **tensors) -> None:
 
 
 def real_number(op: str, name: str, value) -> float:
-    """value as a Python float: real numbers, numpy scalars and 0-d tensors; not bool, str, None."""
+    """value as a Python float: real numbers, numpy scalars and 0-d tensors; not bool, str, None,
+    and not a tensor that requires grad (the ops take scalars as constants: its gradient would be
+    silently lost)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{op}(): {name} must be a real number or a 0-d real tensor, got a "
                             f"{value.dim()}-d {value.dtype} tensor")
+        _check_no_grad(op, name, value)
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{op}(): {name} must be a real number, got {type(value).__name__}")
-    return float(value)
+        raise TypeError(f"{op}(): {name} must be a real number, got {type_name(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an int past float64's range
+        raise ValueError(f"{op}(): {name} (an int of {int(value).bit_length()} bits) does not fit "
+                         f"in a float64") from None
+
+
+def integer(op: str, name: str, value) -> int:
+    """value as a Python int: int, numpy integers and 0-d integer tensors (as torch takes an int
+    argument); not bool, float, str or None."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_floating_point() or value.is_complex() \
+                or value.dtype == torch.bool:
+            raise TypeError(f"{op}(): {name} must be an int or a 0-d integer tensor, got a "
+                            f"{value.dim()}-d {value.dtype} tensor")
+        return int(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{op}(): {name} must be an int, got {type_name(value)}")
+    return int(value)
+
+
+def boolean(op: str, name: str, value) -> bool:
+    """value as a Python bool: bool or numpy.bool_; not 0/1, strings or None."""
+    if isinstance(value, bool) or type_name(value) in ("numpy.bool", "numpy.bool_"):
+        return bool(value)
+    raise TypeError(f"{op}(): {name} must be a bool, got {type_name(value)}")
+
+
+def _check_no_grad(op: str, name: str, value: torch.Tensor) -> None:
+    if value.requires_grad and torch.is_grad_enabled():
+        raise TypeError(f"{op}(): {name} is a tensor that requires grad, but {op} takes {name} as "
+                        f"a constant and computes no gradient for it; pass {name}.item() or "
+                        f"{name}.detach()")
 
 
 class DeviceErrorFlag:
@@ -120,4 +184,5 @@ def prod(sizes) -> int:
 
 
 __all__ = ["DTYPE_CODES", "DeviceErrorFlag", "FLOAT_DTYPES", "LIBRARY", "backend_and_stream",
-           "check_float_tensors", "check_tensor", "eager_direct", "prod", "real_number"]
+           "boolean", "check_backend", "check_float_tensors", "check_tensor", "eager_direct",
+           "integer", "prod", "real_number", "type_name"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_float_tensors, eager_direct, prod
+from .common import check_backend, check_float_tensors, eager_direct, prod, type_name
 from .gemm import launch_gemm, run_gemm
 
 _IN_DTYPE_SET = frozenset((torch.bfloat16, torch.float16, torch.float32, torch.float64))
@@ -21,9 +21,12 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None 
              backend: str | None = None) -> torch.Tensor:
     """a [..., M, K] @ b [K, N] -> [..., M, N]; b may be a transposed view of an nn.Linear
     weight (``weight.t()``), used without a copy. out_dtype: None (a's dtype) or torch.float32."""
+    if backend is not None:
+        check_backend("det_gemm", backend)
     if (out_dtype is None and type(a) is torch.Tensor and type(b) is torch.Tensor and a.dim() == 2
             and b.dim() == 2 and a.dtype is b.dtype and a.dtype in _IN_DTYPE_SET
-            and a.shape[1] == b.shape[0] and a.layout is torch.strided and eager_direct(a, b)):
+            and a.shape[1] == b.shape[0] and a.layout is torch.strided
+            and b.layout is torch.strided and eager_direct(a, b)):
         return launch_gemm(a, b, None, None, 1.0, 0.0, backend, a.dtype)  # the common case
     check_float_tensors("det_gemm", a=a, b=b)
     if a.dim() < 2 or b.dim() != 2:
@@ -31,6 +34,9 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None 
                          f"{b.dim()}-D")
     if a.shape[-1] != b.shape[0]:
         raise ValueError(f"det_gemm(): a {tuple(a.shape)} and b {tuple(b.shape)} have different K")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"det_gemm(): out_dtype must be None or a torch.dtype, got {out_dtype!r} "
+                        f"({type_name(out_dtype)})")
     out_dtype = a.dtype if out_dtype is None else out_dtype
     if out_dtype not in (a.dtype, torch.float32):
         raise TypeError(f"det_gemm(): out_dtype must be None, {a.dtype} or torch.float32, "

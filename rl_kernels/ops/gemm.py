@@ -10,16 +10,22 @@ Every backend computes out = alpha * a @ b + beta * c with fp32 accumulation and
 K alone, so each output row is bitwise independent of the rows around it. Gradients run on the same
 backend's kernels: dA = alpha * g @ B^T, dB = alpha * A^T @ g, dc = beta * g summed over broadcast
 rows (a ones-row GEMM, so also deterministic). BLAS semantics: alpha == 0 does not read a @ b,
-beta == 0 does not read c (NaN or Inf there do not propagate).
+beta == 0 does not read c (NaN or Inf there do not propagate), and the gradients follow: with
+alpha == 0 they are exactly 0 (torch's are NaN where a or b holds an Inf).
+
+alpha and beta, like torch's, are applied in fp32 for fp32/bf16/fp16 operands (a value that
+overflows fp32 raises, one that underflows to 0 is 0) and in fp64 for fp64 operands.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _C
-from .common import (DTYPE_CODES, FLOAT_DTYPES, LIBRARY, backend_and_stream, check_float_tensors,
-                     check_tensor, eager_direct, prod, real_number)
+from .common import (DTYPE_CODES, FLOAT_DTYPES, LIBRARY, backend_and_stream, check_backend,
+                     check_float_tensors, check_tensor, eager_direct, prod, real_number)
 
 _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 
@@ -31,10 +37,13 @@ _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 def matmul(input: torch.Tensor, other: torch.Tensor, *, out: torch.Tensor | None = None,
            backend: str | None = None) -> torch.Tensor:
     """torch.matmul semantics (1-D, 2-D, batched and broadcast inputs), batch-invariant rows."""
+    if backend is not None:
+        check_backend("matmul", backend)
     if (out is None and type(input) is torch.Tensor and type(other) is torch.Tensor
             and input.dim() == 2 and other.dim() == 2 and input.dtype is other.dtype
             and input.dtype in _FLOAT_DTYPE_SET and input.shape[1] == other.shape[0]
-            and input.layout is torch.strided and eager_direct(input, other)):
+            and input.layout is torch.strided and other.layout is torch.strided
+            and eager_direct(input, other)):
         # the common case, kept short: host time per call is what small decode GEMMs pay
         return launch_gemm(input, other, None, None, 1.0, 0.0, backend, input.dtype)
     return matmul_any(input, other, out, backend)
@@ -45,7 +54,9 @@ def addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta=1
     """torch.addmm semantics: beta * input + alpha * mat1 @ mat2; input broadcasts to [M, N]
     (a 1-D bias included)."""
     check_float_tensors("addmm", input=input, mat1=mat1, mat2=mat2)
-    alpha, beta = real_number("addmm", "alpha", alpha), real_number("addmm", "beta", beta)
+    check_backend("addmm", backend)
+    alpha = gemm_scalar("addmm", "alpha", alpha, mat1.dtype)
+    beta = gemm_scalar("addmm", "beta", beta, mat1.dtype)
     if mat1.dim() != 2 or mat2.dim() != 2:
         raise ValueError(f"addmm(): mat1 and mat2 must be 2-D, got {mat1.dim()}-D and "
                          f"{mat2.dim()}-D")
@@ -77,7 +88,9 @@ def gemm(alpha, a: torch.Tensor, b: torch.Tensor, beta, c: torch.Tensor | None, 
         check_float_tensors("gemm", a=a, b=b)
     else:
         check_float_tensors("gemm", a=a, b=b, c=c)
-    alpha, beta = real_number("gemm", "alpha", alpha), real_number("gemm", "beta", beta)
+    check_backend("gemm", backend)
+    alpha = gemm_scalar("gemm", "alpha", alpha, a.dtype)
+    beta = gemm_scalar("gemm", "beta", beta, a.dtype)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm(): a {tuple(a.shape)} and b {tuple(b.shape)} must be 2-D with "
                          f"matching inner dims")
@@ -91,6 +104,35 @@ def gemm(alpha, a: torch.Tensor, b: torch.Tensor, beta, c: torch.Tensor | None, 
     if c is not None and shape[1] > 1 and c.stride(-1) != 1:
         c = c.contiguous()  # the kernels read C by rows (a column-major c is copied, like addmm's)
     return run_gemm(a, b, c, alpha, beta, a.dtype, backend, out)
+
+
+def gemm_scalar(op, name, value, dtype):
+    """alpha or beta as the kernels apply it: a Python float, rounded to fp32 unless the operands
+    are fp64 (torch rounds it so too). A value that overflows fp32 raises, as in torch; one that
+    underflows becomes 0 and so takes the alpha == 0 / beta == 0 semantics."""
+    kind = type(value)
+    if kind is int and -(2 ** 53) <= value <= 2 ** 53:  # the defaults (1, 0), kept cheap
+        value = float(value)
+    elif kind is not float:
+        value = real_number(op, name, value)
+    if dtype is torch.float64 or value == 1 or not math.isfinite(value):
+        return value
+    rounded = _to_f32(value)
+    if math.isinf(rounded):
+        raise ValueError(f"{op}(): {name}={value!r} cannot be converted to float32 without "
+                         f"overflow ({dtype} operands are scaled in float32)")
+    return rounded
+
+
+def _to_f32(value):
+    """value rounded to the nearest fp32, ties to even (what C's (float) cast gives), Inf past the
+    fp32 range. In plain math so that torch.compile traces it (it cannot trace struct)."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, 0.5 <= |m| < 1
+    bits = min(24, exponent + 149)  # fp32: 24 significant bits; subnormals: a quantum of 2**-149
+    rounded = math.copysign(math.ldexp(round(math.ldexp(mantissa, bits)), exponent - bits), value)
+    return rounded if abs(rounded) < 2.0 ** 128 else math.copysign(math.inf, value)
 
 
 def matmul_any(a, b, out, backend, op="matmul"):
@@ -151,7 +193,8 @@ def _rows_contiguous(t):
 def run_gemm(a, b, c, alpha, beta, out_dtype, backend, out=None):
     """One GEMM, a and b 2-D or 3-D, through the fast eager path or the registered op (autograd,
     torch.compile); out, if given, has the result's shape. backend None: by device."""
-    backend = backend or "auto"  # the op schema takes a string
+    if backend is None:
+        backend = "auto"  # the op schema takes a string (callers have checked a given one)
     if out is None:
         if eager_direct(a, b, c):
             return _gemm_impl(a, b, c, alpha, beta, out_dtype, backend)

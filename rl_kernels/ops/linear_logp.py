@@ -30,8 +30,8 @@ import math
 import torch
 
 from .. import _C
-from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, check_tensor, eager_direct,
-                     real_number)
+from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, boolean, check_backend,
+                     check_tensor, eager_direct, integer, real_number)
 
 VOCAB_CHUNK = 4096
 BACKWARD_BYTES = 240 << 20  # the issue's budget is 256 MB of extra memory in all
@@ -39,6 +39,7 @@ BAD_TARGET = DeviceErrorFlag("target: an earlier linear_logp call on CUDA saw a 
                              "[0, V) that is not ignore_index; its rows hold NaN")
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+_F32_MAX = 3.4028234663852886e38  # the kernels scale logits by 1 / temperature in fp32
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,29 +75,34 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
         raise ValueError(f"linear_logp(): bias must have shape ({weight.shape[0]},)")
     if weight.shape[0] == 0 or hidden.shape[-1] == 0:
         raise ValueError("linear_logp(): V and D must be >= 1")
-    temperature = real_number("linear_logp", "temperature", temperature)
-    if not 0 < temperature < math.inf:  # NaN fails too
-        raise ValueError(f"linear_logp(): temperature must be a finite number > 0, "
-                         f"got {temperature!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"linear_logp(): ignore_index must be an int, got "
-                        f"{type(ignore_index).__name__}")
+    temperature = check_temperature("linear_logp", temperature)
+    if not 1.0 / temperature <= _F32_MAX:
+        raise ValueError(f"linear_logp(): temperature {temperature!r} is too small: "
+                         f"1 / temperature overflows float32, which the kernels scale logits in")
+    ignore_index = integer("linear_logp", "ignore_index", ignore_index)
     if not _INT64_RANGE[0] <= ignore_index <= _INT64_RANGE[1]:
         raise ValueError(f"linear_logp(): ignore_index {ignore_index} does not fit in int64")
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"linear_logp(): return_entropy must be a bool, got "
-                        f"{type(return_entropy).__name__}")
+    return_entropy = boolean("linear_logp", "return_entropy", return_entropy)
+    check_backend("linear_logp", backend)
     h = _rows(hidden.reshape(-1, hidden.shape[-1]))
     t = target.reshape(-1).contiguous()
     w = _rows(weight)
     b = None if bias is None else bias.contiguous()
-    args = (h, w, b, t, temperature, ignore_index, backend or "auto")
+    args = (h, w, b, t, temperature, ignore_index, "auto" if backend is None else backend)
     if eager_direct(h, w, b):
         logp, entropy, _ = _forward_impl(*args)
     else:
         logp, entropy, _ = torch.ops.rl_kernels.linear_logp(*args)
     logp = logp.view(target.shape)
     return (logp, entropy.view(target.shape)) if return_entropy else logp
+
+
+def check_temperature(op: str, temperature) -> float:
+    """temperature as a float: a real number (or 0-d tensor), finite and > 0."""
+    temperature = real_number(op, "temperature", temperature)
+    if not 0 < temperature < math.inf:  # NaN fails too
+        raise ValueError(f"{op}(): temperature must be a finite number > 0, got {temperature!r}")
+    return temperature
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,12 @@ class NativeLinearLogpOp(torch.nn.Module):
 
     def forward(self, hidden, weight, target, bias=None, *, temperature=1.0, ignore_index=-100,
                 return_entropy=False):
+        # linear_logp's rule (temperature 0 would give NaN); a tensor temperature stays a tensor
+        from .linear_logp import check_temperature
+        if isinstance(temperature, torch.Tensor):
+            check_temperature("NativeLinearLogpOp", temperature.detach())
+        else:
+            temperature = check_temperature("NativeLinearLogpOp", temperature)
         with exact_fp32_matmul():
             logits = hidden.to(self.dtype) @ weight.to(self.dtype).T
         if bias is not None:

@@ -440,7 +440,7 @@ static int launch_gemm_sm80_kernel(const rlk_gemm_args *p, cudaStream_t stream) 
     if (tiles > 0x7fffffff) return (int)cudaErrorInvalidConfiguration;
     kernel<<<(unsigned)tiles, WARPS_M * WARPS_N * 32, smem_bytes, stream>>>(
         p->M, p->N, p->K, (const T *)p->a, p->lda, (const T *)p->b, p->ldb, (const OutT *)p->c,
-        p->ldc, (OutT *)p->out, p->ldo, p->alpha, p->beta);
+        p->ldc, (OutT *)p->out, p->ldo, (float)p->alpha, (float)p->beta);
     return (int)cudaGetLastError();
 }
 
@@ -487,7 +487,7 @@ static int launch_gemm_fp32(const rlk_gemm_args *p, cudaStream_t stream) {
         kernel = p->b_trans ? gemm_fp32_simt_kernel<0, 1> : gemm_fp32_simt_kernel<0, 0>;
     kernel<<<(unsigned)tiles, FP32_THREADS, 0, stream>>>(
         p->M, p->N, p->K, (const float *)p->a, p->lda, (const float *)p->b, p->ldb,
-        (const float *)p->c, p->ldc, (float *)p->out, p->ldo, p->alpha, p->beta);
+        (const float *)p->c, p->ldc, (float *)p->out, p->ldo, (float)p->alpha, (float)p->beta);
     return (int)cudaGetLastError();
 }
 

@@ -373,7 +373,7 @@ static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, float4 *partia
             g.c = args->bias ? (const float *)args->bias + v0 : NULL; /* ldc = 0: one row */
             g.out = logits;
             g.ldo = cols;
-            g.alpha = g.beta = 1.0f;
+            g.alpha = g.beta = 1.0;
             const int rc = rlk_gemm_sm80(&g, &gemm_ctx);
             if (rc != RLK_OK) return rc;
             const dim3 grid((unsigned)((rows + 3) / 4), (unsigned)((cols + LOGP_SPLIT_COLS - 1) / LOGP_SPLIT_COLS));

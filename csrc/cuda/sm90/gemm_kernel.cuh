@@ -598,8 +598,8 @@ static inline gemm_sm90_params gemm_params(const rlk_gemm_args *args) {
     p.ldc = args->ldc;
     p.out = args->out;
     p.ldo = args->ldo;
-    p.alpha = args->alpha;
-    p.beta = args->beta;
+    p.alpha = (float)args->alpha;
+    p.beta = (float)args->beta;
     p.c_pairs_aligned = args->c != nullptr && pairs_aligned(args->c, args->ldc, out_bytes);
     p.out_pairs_aligned = pairs_aligned(args->out, args->ldo, out_bytes);
     return p;

@@ -272,7 +272,7 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
     g.ldc = 0;
     g.out = args->dlogits;
     g.ldo = args->ld_dlogits;
-    g.alpha = g.beta = 1.0f;
+    g.alpha = g.beta = 1.0;
     const gemm_sm90_params p = gemm_params(&g);
     logp_sm90_params lp;
     memset(&lp, 0, sizeof(lp));
