@@ -3,7 +3,9 @@
 # machine's Python, self-check, GPU tests, compute-sanitizer (memcheck, racecheck) on small cases,
 # benchmarks. Logs, JSON, markdown and plots go to the output folder ($1 or $OUT).
 # Usage: bash scripts/gpu_check.sh OUTPUT_DIR
-#   QUICK=1: shorter benchmark sweeps; STAGES="build test sanitize bench" (default: all) picks stages
+#   QUICK=1: shorter benchmark sweeps; STAGES="build test sanitize bench" (default: all) picks stages;
+#   TESTS="pytest arguments" (default: tests -m gpu), SANITIZERS="memcheck racecheck",
+#   BENCHES="gemm gemm_layer linear_logp attention model host_overhead" narrow a stage
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:?give an output folder as \$1 or \$OUT}}
@@ -38,17 +40,20 @@ if has build; then
 fi
 if has test; then
     step self-check 300 python3 -m rl_kernels
-    step gpu-tests 900 python3 -m pytest tests -m gpu -q -rs --junitxml="$out/gpu-tests.xml"
+    step gpu-tests 900 python3 -m pytest ${TESTS:-tests -m gpu} -q -rs --junitxml="$out/gpu-tests.xml"
 fi
 if has sanitize; then
-    step memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitizer_cases.py
-    step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitizer_cases.py
+    for tool in ${SANITIZERS:-memcheck racecheck}; do
+        step "$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py
+    done
 fi
 if has bench; then
     quick=${QUICK:+--quick}
-    step bench-gemm 900 python3 benchmarks/bench_gemm.py $quick
-    step bench-linear-logp 900 python3 benchmarks/bench_linear_logp.py $quick
-    step bench-host-overhead 300 python3 benchmarks/bench_host_overhead.py
+    for bench in ${BENCHES:-gemm gemm_layer linear_logp attention model host_overhead}; do
+        case $bench in model|host_overhead) args= ;; *) args=$quick ;; esac
+        step "bench-$bench" 900 python3 "benchmarks/bench_$bench.py" $args
+        tar czf "$out/results.tar.gz" benchmarks/results docs/benchmarks.md docs/plots 2>/dev/null
+    done
 fi
 tar czf "$out/results.tar.gz" benchmarks/results docs/benchmarks.md docs/plots 2>/dev/null
 grep -E "^=== .*exit|passed|failed|ERROR SUMMARY|geometric" "$log" | tail -40
