@@ -74,13 +74,27 @@ def cuda_median_ms(fn, sets, warmup=3, reps=20) -> float:
 SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us at 2 GHz: more than the host needs to enqueue a call
 
 
-def cuda_paired_median_ms(fns, sets, warmup=3, reps=20) -> list[float]:
+def host_us_per_call(fn, args, calls=50) -> float:
+    """Wall-clock microseconds per call of fn(*args) in a loop ending in one synchronize: the host
+    cost of a call when it exceeds its kernels' time (small decode steps)."""
+    fn(*args)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def cuda_paired_median_ms(fns, sets, warmup=3, reps=20, sleep_us=50) -> list[float]:
     """Median GPU ms of each fn in fns, measured interleaved: rep i runs every fn once, starting
     with a different one each rep, and every call takes the next argument set in turn, so no call
     finds its inputs in L2 from the call before (give enough sets, copies_to_rotate). An H100 under sustained tensor-core load sits
     at its 700 W cap with the SM clock wandering between ~1.2 and 1.5 GHz as it heats
     (docs/perf-notes.md), so timing a kernel and its baseline one after the other measures the
-    thermal history as much as the kernels; interleaved, both see the same conditions."""
+    thermal history as much as the kernels; interleaved, both see the same conditions.
+    sleep_us: GPU time queued per call ahead of the timed calls (raise it for calls whose host cost
+    exceeds their kernel time, or the events time the host)."""
     calls = 0
     for _ in range(warmup):
         for fn in fns:
@@ -89,7 +103,7 @@ def cuda_paired_median_ms(fns, sets, warmup=3, reps=20) -> list[float]:
     torch.cuda.synchronize()
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                for _ in range(reps)] for _ in fns]
-    torch.cuda._sleep(SLEEP_CYCLES_PER_CALL * reps * len(fns))
+    torch.cuda._sleep(SLEEP_CYCLES_PER_CALL * sleep_us // 50 * reps * len(fns))
     for i in range(reps):
         for j in range(len(fns)):
             k = (i + j) % len(fns)

@@ -134,8 +134,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if batch and t_new and int(k_len.max()) > t_max:
             raise ValueError(f"cache_seqlens: appending {t_new} keys overflows the cache of {t_max} "
                              f"(largest cache_seqlens {int(cached.max())})")
-    else:  # a negative or overflowing sequence gets k_len -1, which the kernels flag
+    elif t_new:  # a negative start could hide in cached + t_new: give such a sequence k_len -1
         k_len = torch.where((cached < 0) | (k_len > t_max), -1, k_len)
+    # (without appended keys k_len is cached itself, which the kernels check against [0, t_max])
     if k_new is not None:
         _append(k_cache, v_cache, k_new, v_new, cached)  # into the caller's cache, whatever its strides
         if k is not k_cache or v is not v_cache:  # the kernels read a head-dim-contiguous copy
