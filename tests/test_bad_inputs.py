@@ -449,7 +449,40 @@ def _backend_calls():
         "addmm": lambda be: rl_kernels.addmm(c, a, b, backend=be),
         "gemm": lambda be: rl_kernels.gemm(1.0, a, b, 1.0, c, backend=be),
         "linear_logp": lambda be: rl_kernels.linear_logp(h, w, t, backend=be),
+        **_row_and_attention_backend_calls(),
     }
+
+
+def _row_and_attention_backend_calls():
+    x, weight = randn(3, 8), randn(8, seed=1)
+    x_grad = randn(3, 8, seed=2).requires_grad_()  # through the registered op (autograd)
+    q, k, v = (randn(2, 5, 4, 8, seed=s) for s in (3, 4, 5))
+    q_grad = randn(2, 5, 4, 8, seed=6).requires_grad_()
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    k_cache, v_cache = randn(2, 9, 4, 8, seed=7), randn(2, 9, 4, 8, seed=8)
+    return {
+        "rms_norm": lambda be: rl_kernels.rms_norm(x, weight, backend=be),
+        "rms_norm_grad": lambda be: rl_kernels.rms_norm(x_grad, weight, backend=be),
+        "softmax": lambda be: rl_kernels.softmax(x, backend=be),
+        "softmax_grad": lambda be: rl_kernels.softmax(x_grad, backend=be),
+        "log_softmax": lambda be: rl_kernels.log_softmax(x, backend=be),
+        "row_sum": lambda be: rl_kernels.row_sum(x, backend=be),
+        "row_sum_grad": lambda be: rl_kernels.row_sum(x_grad, backend=be),
+        "row_mean": lambda be: rl_kernels.row_mean(x, backend=be),
+        "attention": lambda be: rl_kernels.attention(q, k, v, backend=be),
+        "attention_grad": lambda be: rl_kernels.attention(q_grad, k, v, backend=be),
+        "attention_packed": lambda be: rl_kernels.attention(
+            q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, backend=be),
+        "attention_with_kvcache": lambda be: rl_kernels.attention_with_kvcache(
+            q[:, :1], k_cache, v_cache, 4, backend=be),
+    }
+
+
+def _op_of(call):
+    """The public function a _backend_calls entry calls: its name less the variant suffix."""
+    for suffix in ("3d", "_grad", "_packed"):
+        call = call.removesuffix(suffix)
+    return call
 
 
 @pytest.mark.parametrize("call", list(_backend_calls()))
@@ -463,7 +496,7 @@ def _backend_calls():
     (["cpu"], TypeError, r"backend must be a str .*, got list"),
 ])
 def test_bad_backend_argument(call, backend, exc, message):
-    op = call.removesuffix("3d")
+    op = _op_of(call)
     with pytest.raises(exc, match=rf"^{op}\(\): {message}"):
         _backend_calls()[call](backend)
 

@@ -22,8 +22,8 @@ import math
 import torch
 
 from .. import _C
-from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, check_tensor, eager_direct,
-                     real_number)
+from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, check_backend, check_tensor,
+                     eager_direct, real_number)
 
 CUDA_HEAD_DIMS = (64, 128)
 BAD_RANGE = DeviceErrorFlag("cu_seqlens / cache_seqlens: an earlier attention call on CUDA saw a "
@@ -56,6 +56,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     scale = _scale("attention", softmax_scale, q.shape[-1])
     causal = _check_bool("attention", "causal", causal)
     return_lse = _check_bool("attention", "return_lse", return_lse)
+    backend = _backend("attention", backend)
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     if packed:
         if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -83,7 +84,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         max_seqlen_q = q.shape[1] if max_seqlen_q is None else int(max_seqlen_q)
         max_seqlen_k = k.shape[1] if max_seqlen_k is None else int(max_seqlen_k)
     args = (q, k, v, q_start, q_len, k_start, k_len, max_seqlen_q, max_seqlen_k, causal, scale,
-            backend or "auto")
+            backend)
     if eager_direct(q, k, v):
         out, lse = _forward_impl(*args)
     else:
@@ -112,6 +113,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = _scale("attention_with_kvcache", softmax_scale, q.shape[-1])
     causal = _check_bool("attention_with_kvcache", "causal", causal)
     return_lse = _check_bool("attention_with_kvcache", "return_lse", return_lse)
+    backend = _backend("attention_with_kvcache", backend)  # before the cache is written
     cached = _cache_seqlens(cache_seqlens, batch, q.device)
     if (k_new is None) != (v_new is None):
         raise ValueError("attention_with_kvcache(): give both k_new and v_new (or neither)")
@@ -145,7 +147,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q_len = torch.full((batch,), q.shape[1], dtype=torch.int32, device=q.device)
     with torch.no_grad():
         out, lse = _forward_impl(q, k, v, zeros, q_len, zeros, k_len, q.shape[1], t_max, causal,
-                                 scale, backend or "auto")
+                                 scale, backend)
     return (out, lse) if return_lse else out
 
 
@@ -189,6 +191,13 @@ def _aligned_rows(t):
     misaligned = t.is_cuda and (t.data_ptr() % 16 != 0 or any(
         s * t.element_size() % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
     return t.contiguous() if misaligned else t
+
+
+def _backend(op, backend):
+    """backend= checked (TypeError / ValueError naming it), as the op schema's string: None is
+    "auto" (not `backend or "auto"`, which would let '', 0 or False through as "auto")."""
+    check_backend(op, backend)
+    return "auto" if backend is None else backend
 
 
 def _check_bool(op, name, value):
