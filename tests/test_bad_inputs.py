@@ -434,6 +434,29 @@ def test_det_gemm_out_dtype_message_lists_what_is_allowed():
         rl_kernels.det_gemm(a, b, out_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("bad,exc,message", [
+    (True, TypeError, r"^set_num_threads\(\): n must be an int, got bool$"),
+    (False, TypeError, r"^set_num_threads\(\): n must be an int, got bool$"),
+    ("2", TypeError, r"^set_num_threads\(\): n must be an int, got str$"),
+    (2.0, TypeError, r"^set_num_threads\(\): n must be an int, got float$"),
+    (None, TypeError, r"^set_num_threads\(\): n must be an int, got NoneType$"),
+    (-1, ValueError, r"^set_num_threads\(\): n must be >= 0 \(0: OpenMP's default\), got -1$"),
+    (2 ** 40, ValueError, r"^set_num_threads\(\): n must be at most 2147483647, got 1099511627776$"),
+])
+def test_set_num_threads_bad_values(bad, exc, message):
+    rl_kernels.set_num_threads(3)
+    with pytest.raises(exc, match=message):
+        rl_kernels.set_num_threads(bad)
+    assert rl_kernels.get_num_threads() == 3  # a refused call changes nothing
+
+
+@pytest.mark.parametrize("value", [0, 1, 2, np.int64(2), torch.tensor(2)])
+def test_set_num_threads_takes_ints(value):
+    rl_kernels.set_num_threads(value)
+    if value:
+        assert rl_kernels.get_num_threads() == int(value)
+
+
 # ------------------------------------------------------------------------------------------------
 # backend= and RL_KERNELS_BACKEND
 # ------------------------------------------------------------------------------------------------
