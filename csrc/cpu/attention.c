@@ -322,7 +322,10 @@ ALWAYS_INLINE void forward_row_block(const rlk_attention_args *a, int64_t item, 
         row_state[r] = EMPTY_STATE;
     }
     memset(row_o, 0, sizeof(float) * rows * d);
-    const int64_t keys_seen = visible[rows - 1]; /* rows see nested key ranges; the last sees the most */
+    /* rows see nested key ranges; the last sees the most. Computed, not read from visible[rows - 1]:
+     * under -fwrapv gcc cannot prove rows >= 1 (i0 < q_len does not imply q_len - i0 > 0 when
+     * wrapping is defined), and warned that the read may be of an unset element. Same value. */
+    const int64_t keys_seen = visible_keys(a, s, i0 + rows - 1);
     for (int64_t seg0 = 0; seg0 < keys_seen; seg0 += SEGMENT) {
         const int64_t seg_end = rlk_min64(seg0 + SEGMENT, keys_seen);
         for (int64_t r = 0; r < rows; r++) seg_state[r] = EMPTY_STATE;
@@ -399,7 +402,7 @@ ALWAYS_INLINE void dq_row_block(const rlk_attention_args *a, int64_t item, float
         visible[r] = visible_keys(a, s, i0 + r);
     }
     memset(dq_acc, 0, sizeof(float) * rows * d);
-    const int64_t keys_seen = visible[rows - 1];
+    const int64_t keys_seen = visible_keys(a, s, i0 + rows - 1); /* the most (as in forward_row_block) */
     for (int64_t j0 = 0; j0 < keys_seen; j0 += BLOCK_N) {
         const int64_t nk = rlk_min64(BLOCK_N, keys_seen - j0);
         load_block_transposed(keys_t, a, &a->k, s, g, j0, nk);
