@@ -19,31 +19,23 @@
 
 enum { RLK_ROW_LANES = 16 };
 
-static inline float rlk_row_sum16_f32(const float *restrict v, int64_t n)
-{
-    float lane[RLK_ROW_LANES];
-    for (int l = 0; l < RLK_ROW_LANES; l++) lane[l] = 0.0f;
-    int64_t j = 0;
-    for (; j + RLK_ROW_LANES <= n; j += RLK_ROW_LANES)
-        for (int l = 0; l < RLK_ROW_LANES; l++) lane[l] += v[j + l];
-    for (int l = 0; j + l < n; l++) lane[l] += v[j + l];
-    for (int width = RLK_ROW_LANES / 2; width >= 1; width /= 2)
-        for (int l = 0; l < width; l++) lane[l] += lane[l + width];
-    return lane[0];
-}
-
-static inline double rlk_row_sum16_f64(const double *restrict v, int64_t n)
-{
-    double lane[RLK_ROW_LANES];
-    for (int l = 0; l < RLK_ROW_LANES; l++) lane[l] = 0.0;
-    int64_t j = 0;
-    for (; j + RLK_ROW_LANES <= n; j += RLK_ROW_LANES)
-        for (int l = 0; l < RLK_ROW_LANES; l++) lane[l] += v[j + l];
-    for (int l = 0; j + l < n; l++) lane[l] += v[j + l];
-    for (int width = RLK_ROW_LANES / 2; width >= 1; width /= 2)
-        for (int l = 0; l < width; l++) lane[l] += lane[l + width];
-    return lane[0];
-}
+/* rlk_row_sum16_f32 and rlk_row_sum16_f64: one definition, two element types. */
+#define RLK_DEFINE_ROW_SUM16(name, T)                                         \
+    static inline T name(const T *restrict v, int64_t n)                      \
+    {                                                                         \
+        T lane[RLK_ROW_LANES];                                                \
+        for (int l = 0; l < RLK_ROW_LANES; l++) lane[l] = 0;                  \
+        int64_t j = 0;                                                        \
+        for (; j + RLK_ROW_LANES <= n; j += RLK_ROW_LANES)                    \
+            for (int l = 0; l < RLK_ROW_LANES; l++) lane[l] += v[j + l];      \
+        for (int l = 0; j + l < n; l++) lane[l] += v[j + l];                  \
+        for (int width = RLK_ROW_LANES / 2; width >= 1; width /= 2)           \
+            for (int l = 0; l < width; l++) lane[l] += lane[l + width];       \
+        return lane[0];                                                       \
+    }
+RLK_DEFINE_ROW_SUM16(rlk_row_sum16_f32, float)
+RLK_DEFINE_ROW_SUM16(rlk_row_sum16_f64, double)
+#undef RLK_DEFINE_ROW_SUM16
 
 /* value rounded to dtype (fp32, bf16 or fp16) and back to fp32: round_dtype(v) in the contracts. */
 static inline float rlk_round_f32(rlk_dtype dtype, float v)
