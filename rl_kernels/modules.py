@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .ops.attention import attention
+from .ops.common import check_backend
 from .ops.det_gemm import det_gemm
 from .ops.gemm import addmm, gemm, matmul
 from .ops.linear_logp import linear_logp
@@ -25,6 +26,7 @@ class OpModule(torch.nn.Module):
 
     def __init__(self, backend: str | None = None):
         super().__init__()
+        check_backend(type(self).__name__, backend)
         self.backend = backend
 
     def extra_repr(self):

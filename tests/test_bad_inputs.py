@@ -661,3 +661,11 @@ def test_cpu_attention_compiles_without_maybe_uninitialized(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "uninitialized" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("bad, error", [("", ValueError), ("CPU", ValueError), (3, TypeError)])
+def test_op_modules_check_backend_when_built(bad, error):
+    for cls in rl_kernels.modules.OpModule.registered():
+        with pytest.raises(error, match="backend"):
+            cls(backend=bad)
+        assert cls(backend="cpu").backend == "cpu"

@@ -22,7 +22,7 @@ import math
 import torch
 
 from .. import _C
-from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, check_backend, check_tensor,
+from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, backend_arg, check_tensor,
                      eager_direct, real_number)
 
 CUDA_HEAD_DIMS = (64, 128)
@@ -56,7 +56,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     scale = _scale("attention", softmax_scale, q.shape[-1])
     causal = _check_bool("attention", "causal", causal)
     return_lse = _check_bool("attention", "return_lse", return_lse)
-    backend = _backend("attention", backend)
+    backend = backend_arg("attention", backend)
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     if packed:
         if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -113,7 +113,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = _scale("attention_with_kvcache", softmax_scale, q.shape[-1])
     causal = _check_bool("attention_with_kvcache", "causal", causal)
     return_lse = _check_bool("attention_with_kvcache", "return_lse", return_lse)
-    backend = _backend("attention_with_kvcache", backend)  # before the cache is written
+    backend = backend_arg("attention_with_kvcache", backend)  # before the cache is written
     cached = _cache_seqlens(cache_seqlens, batch, q.device)
     if (k_new is None) != (v_new is None):
         raise ValueError("attention_with_kvcache(): give both k_new and v_new (or neither)")
@@ -191,13 +191,6 @@ def _aligned_rows(t):
     misaligned = t.is_cuda and (t.data_ptr() % 16 != 0 or any(
         s * t.element_size() % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
     return t.contiguous() if misaligned else t
-
-
-def _backend(op, backend):
-    """backend= checked (TypeError / ValueError naming it), as the op schema's string: None is
-    "auto" (not `backend or "auto"`, which would let '', 0 or False through as "auto")."""
-    check_backend(op, backend)
-    return "auto" if backend is None else backend
 
 
 def _check_bool(op, name, value):

@@ -81,6 +81,13 @@ def check_backend(op: str, backend) -> None:
     raise ValueError(f"{op}(): unknown backend {backend!r}{hint}; expected {choices}")
 
 
+def backend_arg(op: str, backend) -> str:
+    """backend= checked (check_backend), as the op schema's string: None is "auto" (not
+    `backend or "auto"`, which would let '', 0 or False through as "auto")."""
+    check_backend(op, backend)
+    return "auto" if backend is None else backend
+
+
 def check_tensor(op: str, name: str, value) -> None:
     """TypeError naming the argument unless value is a torch.Tensor."""
     if not isinstance(value, torch.Tensor):
@@ -183,6 +190,6 @@ def prod(sizes) -> int:
     return count
 
 
-__all__ = ["DTYPE_CODES", "DeviceErrorFlag", "FLOAT_DTYPES", "LIBRARY", "backend_and_stream",
+__all__ = ["DTYPE_CODES", "DeviceErrorFlag", "FLOAT_DTYPES", "LIBRARY", "backend_and_stream", "backend_arg",
            "boolean", "check_backend", "check_float_tensors", "check_tensor", "eager_direct",
            "integer", "prod", "real_number", "type_name"]

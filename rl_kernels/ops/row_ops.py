@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from .common import (LIBRARY, backend_and_stream, check_backend, check_tensor, eager_direct,
+from .common import (LIBRARY, backend_and_stream, backend_arg, check_tensor, eager_direct,
                      real_number)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -36,7 +36,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     eps = real_number("rms_norm", "eps", eps)
     if not isinstance(round_before_weight, bool):
         raise TypeError("rms_norm(): round_before_weight must be a bool")
-    backend = _backend("rms_norm", backend)
+    backend = backend_arg("rms_norm", backend)
     rows = _rows(x)
     args = (rows, weight, eps, round_before_weight, backend)
     y = (_rms_norm_impl(*args)[0] if eager_direct(rows, weight)
@@ -76,13 +76,6 @@ def _floating(op, name, x):
     return x
 
 
-def _backend(op, backend):
-    """backend= checked (TypeError / ValueError naming it), as the op schema's string: None is
-    "auto" (not `backend or "auto"`, which would let '', 0 or False through as "auto")."""
-    check_backend(op, backend)
-    return "auto" if backend is None else backend
-
-
 def _rows(x):
     """x as [rows, cols] with contiguous rows (a copy only when the last dim is strided)."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
@@ -107,7 +100,7 @@ def _softmax_any(op, x, dim, dtype, log, backend):
     if not -ndim <= dim < ndim:
         raise IndexError(f"{op}(): dim {dim} out of range for a {x.dim()}-D tensor")
     out_dtype = _out_dtype(op, x, dtype)
-    backend = _backend(op, backend)
+    backend = backend_arg(op, backend)
     moved = x.movedim(dim, -1) if x.dim() > 0 else x
     rows = _rows(moved)
     args = (rows, out_dtype, log, backend)
@@ -121,7 +114,7 @@ def _row_reduce(op, x, keepdim, dtype, mean, backend):
     if not isinstance(keepdim, bool):
         raise TypeError(f"{op}(): keepdim must be a bool")
     out_dtype = _out_dtype(op, x, dtype)
-    backend = _backend(op, backend)
+    backend = backend_arg(op, backend)
     rows = _rows(x)
     args = (rows, out_dtype, mean, backend)
     y = _row_sum_impl(*args) if eager_direct(rows) else torch.ops.rl_kernels.row_sum(*args)
