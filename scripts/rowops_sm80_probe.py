@@ -66,7 +66,7 @@ class SoftmaxArgs(ctypes.Structure):
 
 class RmsNormArgs(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("dtype", ctypes.c_int),
-                ("eps", ctypes.c_float), ("round_before_weight", ctypes.c_int), ("x", ctypes.c_void_p),
+                ("eps", ctypes.c_double), ("round_before_weight", ctypes.c_int), ("x", ctypes.c_void_p),
                 ("ldx", ctypes.c_int64), ("weight", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("ldy", ctypes.c_int64), ("rstd", ctypes.c_void_p), ("dy", ctypes.c_void_p),
                 ("lddy", ctypes.c_int64), ("dx", ctypes.c_void_p), ("lddx", ctypes.c_int64),

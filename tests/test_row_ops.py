@@ -91,9 +91,10 @@ def grads_of(fn, x, w, cotangent):
 # fp64 references
 # --------------------------------------------------------------------------------------------
 
-def kernel_eps(eps):
-    """eps as the kernels take it: rlk_rms_norm_args.eps is a C float (fp64 inputs too)."""
-    return torch.tensor(eps, dtype=torch.float32).item()
+def kernel_eps(eps, dtype):
+    """eps as the kernels add it: rounded to fp32 for fp32 / bf16 / fp16 (as torch adds a Python
+    float to an fp32 tensor), as given for fp64."""
+    return eps if dtype == torch.float64 else torch.tensor(eps, dtype=torch.float32).item()
 
 
 def ref_rstd(x, eps):
@@ -150,7 +151,7 @@ def test_rms_norm_matches_fp64(dtype, width, mode):
     assert torch.equal(rl_kernels.rms_norm(x, w, eps, round_before_weight=rbw), y)
 
     u = unit_roundoff(compute_dtype(dtype))
-    rstd64 = ref_rstd(x, kernel_eps(eps))
+    rstd64 = ref_rstd(x, kernel_eps(eps, dtype))
     rstd_rel = ((cpu_sum_steps(width) + 3) / 2 + 2) * u
     # the saved rstd is fp32: fp64 inputs add its rounding
     rstd_bound = rstd64 * (rstd_rel + (unit_roundoff(torch.float32) if dtype == torch.float64 else 0))
@@ -232,9 +233,6 @@ def test_rms_norm_eps(eps, dtype):
             assert torch.equal(rl_kernels.rms_norm(x, w, 0), got)
 
 
-@pytest.mark.xfail(strict=True, reason="rlk_rms_norm_args.eps is a C float: fp64 inputs get eps "
-                   "rounded to fp32 (1e-6 -> 9.99999997e-07), a relative error ~1.2e-9 in y (about "
-                   "10^7 fp64 ulps) where eps dominates mean(x^2); F.rms_norm adds eps in fp64")
 def test_fp64_rms_norm_adds_eps_in_fp64():
     x = randn(8, 64, dtype=torch.float64, seed=10, scale=1e-4)  # mean(x^2) ~ 1e-8 << eps
     want = F.rms_norm(x, (64,), None, 1e-6)
@@ -304,11 +302,6 @@ def test_softmax_over_other_dims(dtype, log):
     assert torch.equal(fn(m.t(), 1), fn(m.t().contiguous(), 1))  # a transposed input, dim -1
 
 
-@pytest.mark.xfail(strict=True, reason="softmax / log_softmax over dim != -1 return "
-                   "y.movedim(-1, dim), a non-contiguous view, where torch returns a tensor laid "
-                   "out like x (contiguous for contiguous x), so y.view(...) raises 'view size is "
-                   "not compatible with input tensor's size and stride'; the batch_invariant mode "
-                   "adds .contiguous() for that reason, the public functions do not")
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_softmax_over_other_dim_is_laid_out_like_torch(log):
     fn, ref_fn = (rl_kernels.log_softmax, torch.log_softmax) if log else (rl_kernels.softmax, torch.softmax)
@@ -944,10 +937,6 @@ def test_zero_rows(dtype):
     assert rl_kernels.softmax(torch.empty(3, 0, dtype=dtype), dim=0).shape == (3, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="_rows() in rl_kernels/ops/row_ops.py calls "
-                   "x.reshape(-1, 0) when the reduced dim has size 0, which raises 'cannot reshape "
-                   "tensor of 0 elements into shape [-1, 0]'; torch returns an empty tensor "
-                   "(softmax, rms_norm), zeros (sum) or NaN (mean); the C kernels handle cols == 0")
 @pytest.mark.parametrize("case", ["softmax", "log_softmax", "softmax_dim0", "rms_norm", "row_sum",
                                   "row_mean"])
 def test_width_zero_rows_as_torch(case):

@@ -84,7 +84,7 @@ PyObject *py_rms_norm_fwd(PyObject *self, PyObject *args) {
          rlk_check_backend(backend, &t[0]) == 0 && check_outputs(t, 4, 2) == 0;
     int status = RLK_OK;
     if (ok && a.rows > 0) {
-        a.dtype = t[0].dtype, a.eps = (float)eps, a.round_before_weight = round_before_weight;
+        a.dtype = t[0].dtype, a.eps = eps, a.round_before_weight = round_before_weight;
         a.x = t[0].data, a.weight = t[1].present ? t[1].data : NULL, a.y = t[2].data, a.rstd = (float *)t[3].data;
         rlk_context ctx = rlk_context_for(backend, stream);
         status = rlk_run_planned("rms_norm_fwd", backend, &t[0], call_rms_norm_fwd, &a, &a.workspace, &ctx);
@@ -115,7 +115,7 @@ PyObject *py_rms_norm_bwd(PyObject *self, PyObject *args) {
          rlk_check_backend(backend, &t[0]) == 0 && check_outputs(t, 6, 4) == 0;
     int status = RLK_OK;
     if (ok && (a.rows > 0 || t[5].present)) {
-        a.dtype = t[0].dtype, a.eps = (float)eps, a.round_before_weight = round_before_weight;
+        a.dtype = t[0].dtype, a.eps = eps, a.round_before_weight = round_before_weight;
         a.x = t[0].data, a.weight = t[1].present ? t[1].data : NULL, a.rstd = (float *)t[2].data;
         a.dy = t[3].data, a.dx = t[4].data, a.dweight = t[5].present ? t[5].data : NULL;
         rlk_context ctx = rlk_context_for(backend, stream);

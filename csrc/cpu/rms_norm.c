@@ -54,7 +54,7 @@ static void fwd_row_f32(const rlk_rms_norm_args *a, int64_t r, float *x, float *
     rlk_load_row_f32(x, 1, a->x, a->dtype, r * a->ldx, n);
     for (int64_t j = 0; j < n; j++) t[j] = x[j] * x[j];
     const float ss = rlk_row_sum16_f32(t, n);
-    const float rstd = 1.0f / sqrtf(ss / (float)n + a->eps);
+    const float rstd = 1.0f / sqrtf(ss / (float)n + (float)a->eps);
     if (a->rstd) a->rstd[r] = rstd;
     if (!w) {
         for (int64_t j = 0; j < n; j++) t[j] = x[j] * rstd;
@@ -77,7 +77,7 @@ static void fwd_row_f64(const rlk_rms_norm_args *a, int64_t r, double *t)
     const int64_t n = a->cols;
     const double *x = (const double *)a->x + r * a->ldx, *w = (const double *)a->weight;
     double *y = (double *)a->y + r * a->ldy;
-    const double rstd = rstd_f64(x, n, (double)a->eps, t);
+    const double rstd = rstd_f64(x, n, a->eps, t);
     if (a->rstd) a->rstd[r] = (float)rstd;
     for (int64_t j = 0; j < n; j++) {
         const double h = x[j] * rstd;
@@ -161,7 +161,7 @@ static void bwd_row_f64(const rlk_rms_norm_args *a, int64_t r, const bwd_buffers
     const double *x = (const double *)a->x + r * a->ldx, *dy = (const double *)a->dy + r * a->lddy;
     const double *w = (const double *)a->weight;
     double *dx = (double *)a->dx + r * a->lddx, *g = b->g, *t = b->t;
-    const double rstd = rstd_f64(x, n, (double)a->eps, t);
+    const double rstd = rstd_f64(x, n, a->eps, t);
     for (int64_t j = 0; j < n; j++) g[j] = w ? dy[j] * w[j] : dy[j];
     for (int64_t j = 0; j < n; j++) t[j] = g[j] * x[j];
     const double dot = rlk_row_sum16_f64(t, n);

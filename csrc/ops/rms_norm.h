@@ -46,7 +46,7 @@ extern "C" {
 typedef struct rlk_rms_norm_args {
     int64_t rows, cols;
     rlk_dtype dtype;
-    float eps;
+    double eps;  /* added in fp32 (so rounded to fp32, as torch does) for fp32 / bf16 / fp16, in fp64 for fp64 */
     int round_before_weight;
     const void *x;
     int64_t ldx;

@@ -13,7 +13,7 @@ import torch
 
 from .. import _C
 from .common import (LIBRARY, backend_and_stream, backend_arg, check_tensor, eager_direct,
-                     real_number)
+                     prod, real_number)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -78,7 +78,8 @@ def _floating(op, name, x):
 
 def _rows(x):
     """x as [rows, cols] with contiguous rows (a copy only when the last dim is strided)."""
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+    # (not reshape(-1, cols): -1 is ambiguous when cols == 0, and torch gives such rows an answer)
+    rows = x.reshape(prod(x.shape[:-1]), x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
     if rows.shape[-1] > 1 and rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()
     return rows
@@ -106,7 +107,7 @@ def _softmax_any(op, x, dim, dtype, log, backend):
     args = (rows, out_dtype, log, backend)
     y = _softmax_impl(*args) if eager_direct(rows) else torch.ops.rl_kernels.softmax(*args)
     y = y.view(moved.shape)
-    return y.movedim(-1, dim) if x.dim() > 0 else y
+    return y.movedim(-1, dim).contiguous() if x.dim() > 0 else y  # contiguous, as torch's result
 
 
 def _row_reduce(op, x, keepdim, dtype, mean, backend):

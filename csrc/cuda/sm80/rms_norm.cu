@@ -431,7 +431,7 @@ static int launch_fwd(const rlk_rms_norm_args *a, cudaStream_t stream) {
     const int vec = vec_ok(a->x, a->ldx, sizeof(T)) && vec_ok(a->y, a->ldy, sizeof(T)) && vec_ok(a->weight, 0, sizeof(T));
     if (!plan.loop) {
         rms_fwd_reg_kernel<T><<<grid, plan.tpr * plan.rows_per_cta, 0, stream>>>(
-            (const T *)a->x, a->ldx, (const T *)a->weight, (T *)a->y, a->ldy, a->rstd, a->rows, a->cols, a->eps,
+            (const T *)a->x, a->ldx, (const T *)a->weight, (T *)a->y, a->ldy, a->rstd, a->rows, a->cols, (float)a->eps,
             a->round_before_weight, plan.tpr, vec);
     } else {
         const int optin = smem_optin_bytes();
@@ -444,7 +444,7 @@ static int launch_fwd(const rlk_rms_norm_args *a, cudaStream_t stream) {
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (err != cudaSuccess) return (int)err;
         kernel<<<grid, plan.tpr, smem, stream>>>((const T *)a->x, a->ldx, (const T *)a->weight, (T *)a->y, a->ldy,
-                                                 a->rstd, a->cols, a->eps, a->round_before_weight, cap, vec);
+                                                 a->rstd, a->cols, (float)a->eps, a->round_before_weight, cap, vec);
     }
     return (int)cudaGetLastError();
 }
