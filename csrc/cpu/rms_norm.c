@@ -85,6 +85,21 @@ static void fwd_row_f64(const rlk_rms_norm_args *a, int64_t r, double *t)
     }
 }
 
+/* What every thread reads: the arguments, the weight in fp32 (NULL: none, or fp64), and the
+ * backward's dweight partials (NULL: not wanted). */
+typedef struct rms_op {
+    const rlk_rms_norm_args *a;
+    const float *w;
+    void *partials;
+} rms_op;
+
+static void fwd_row(const void *op, int64_t r, void *const *buffers)
+{
+    const rms_op *o = op;
+    if (o->a->dtype == RLK_F64) fwd_row_f64(o->a, r, buffers[1]);
+    else fwd_row_f32(o->a, r, buffers[0], buffers[1], o->w);
+}
+
 int rlk_rms_norm_fwd_cpu(const rlk_rms_norm_args *args, rlk_context *ctx)
 {
     if (!valid_dtype(args->dtype)) return RLK_UNSUPPORTED;
@@ -99,33 +114,17 @@ int rlk_rms_norm_fwd_cpu(const rlk_rms_norm_args *args, rlk_context *ctx)
         if (!w) return RLK_CPU_OUT_OF_MEMORY;
         rlk_load_row_f32(w, 1, args->weight, args->dtype, 0, args->cols);
     }
-    int out_of_memory = 0;
-
-#pragma omp parallel num_threads(rlk_row_threads(ctx->num_threads, args->rows))
-    {
-        void *x = rlk_row_buffer(args->cols, elem), *t = rlk_row_buffer(args->cols, elem);
-        if (!x || !t) {
-#pragma omp atomic write
-            out_of_memory = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < args->rows; r++) {
-            if (!x || !t) continue;
-            if (is_f64) fwd_row_f64(args, r, t);
-            else fwd_row_f32(args, r, x, t, w);
-        }
-        free(x);
-        free(t);
-    }
+    const rms_op op = {args, w, NULL};
+    const int status = rlk_parallel_items(ctx->num_threads, args->rows, 2, args->cols, elem, fwd_row, &op);
     free(w);
-    return out_of_memory ? RLK_CPU_OUT_OF_MEMORY : RLK_OK;
+    return status;
 }
 
 /* ---------------------------------------- backward ------------------------------------------ */
 
 typedef struct bwd_buffers {
     void *x, *dy, *g, *t;
-} bwd_buffers;
+} bwd_buffers;  /* a thread's buffers[0..3] */
 
 /* dx of row r; adds dy * h' of the row to part (cols values) when part != NULL. */
 static void bwd_row_f32(const rlk_rms_norm_args *a, int64_t r, const bwd_buffers *b, const float *w,
@@ -171,6 +170,22 @@ static void bwd_row_f64(const rlk_rms_norm_args *a, int64_t r, const bwd_buffers
         for (int64_t j = 0; j < n; j++) part[j] += dy[j] * (x[j] * rstd);
 }
 
+/* dx of the rows of block blk, and the block's dweight partial when wanted. */
+static void bwd_block(const void *op, int64_t blk, void *const *buffers)
+{
+    const rms_op *o = op;
+    const rlk_rms_norm_args *a = o->a;
+    const size_t elem = a->dtype == RLK_F64 ? sizeof(double) : sizeof(float);
+    const bwd_buffers b = {buffers[0], buffers[1], buffers[2], buffers[3]};
+    void *part = o->partials ? (char *)o->partials + blk * a->cols * (int64_t)elem : NULL;
+    if (part) memset(part, 0, (size_t)a->cols * elem); /* +0: the sums start from +0 */
+    const int64_t r1 = rlk_min64(a->rows, (blk + 1) * RMS_ROW_BLOCK);
+    for (int64_t r = blk * RMS_ROW_BLOCK; r < r1; r++) {
+        if (a->dtype == RLK_F64) bwd_row_f64(a, r, &b, part);
+        else bwd_row_f32(a, r, &b, o->w, part);
+    }
+}
+
 static int64_t row_blocks(int64_t rows) { return rows > 0 ? (rows + RMS_ROW_BLOCK - 1) / RMS_ROW_BLOCK : 0; }
 
 int rlk_rms_norm_bwd_cpu(const rlk_rms_norm_args *args, rlk_context *ctx)
@@ -198,37 +213,10 @@ int rlk_rms_norm_bwd_cpu(const rlk_rms_norm_args *args, rlk_context *ctx)
         }
         rlk_load_row_f32(w, 1, args->weight, args->dtype, 0, cols);
     }
-    int out_of_memory = 0;
+    const rms_op op = {args, w, partials};
+    const int status = rlk_parallel_items(ctx->num_threads, blocks, 4, cols, elem, bwd_block, &op);
 
-    if (blocks > 0) {
-#pragma omp parallel num_threads(rlk_row_threads(ctx->num_threads, blocks))
-        {
-            bwd_buffers b = {rlk_row_buffer(cols, elem), rlk_row_buffer(cols, elem),
-                             rlk_row_buffer(cols, elem), rlk_row_buffer(cols, elem)};
-            const int ok = b.x && b.dy && b.g && b.t;
-            if (!ok) {
-#pragma omp atomic write
-                out_of_memory = 1;
-            }
-#pragma omp for schedule(static)
-            for (int64_t blk = 0; blk < blocks; blk++) {
-                if (!ok) continue;
-                void *part = partials ? (char *)partials + blk * cols * (int64_t)elem : NULL;
-                if (part) memset(part, 0, (size_t)cols * elem); /* +0: the sums start from +0 */
-                const int64_t r1 = rlk_min64(args->rows, (blk + 1) * RMS_ROW_BLOCK);
-                for (int64_t r = blk * RMS_ROW_BLOCK; r < r1; r++) {
-                    if (is_f64) bwd_row_f64(args, r, &b, part);
-                    else bwd_row_f32(args, r, &b, w, part);
-                }
-            }
-            free(b.x);
-            free(b.dy);
-            free(b.g);
-            free(b.t);
-        }
-    }
-
-    if (args->dweight && !out_of_memory && cols > 0) {
+    if (args->dweight && status == RLK_OK && cols > 0) {
         /* dweight_j = sum_b P[b][j], b increasing, from +0 (rows == 0: 0); threads take blocks of
          * FINAL_COLS columns and walk the partials row by row (cache friendly, same order). */
         enum { FINAL_COLS = 256 };
@@ -255,5 +243,5 @@ int rlk_rms_norm_bwd_cpu(const rlk_rms_norm_args *args, rlk_context *ctx)
     }
     free(w);
     free(owned);
-    return out_of_memory ? RLK_CPU_OUT_OF_MEMORY : RLK_OK;
+    return status;
 }

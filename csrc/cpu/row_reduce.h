@@ -61,4 +61,36 @@ static inline int rlk_row_threads(int num_threads, int64_t items)
     return t > 0 ? (int)t : 1;
 }
 
+enum { RLK_MAX_ROW_BUFFERS = 4 };
+
+/* work(op, i, buffers) for one work item i (a row, a block of rows), given the calling thread's
+ * row buffers. */
+typedef void (*rlk_item_fn)(const void *op, int64_t i, void *const *buffers);
+
+/* Runs work(op, i, buffers) for i = 0 .. items - 1 on OpenMP threads (static shares; which thread
+ * takes an item never changes its result), each thread with its own `count` buffers of `cols`
+ * elements of `elem` bytes. RLK_CPU_OUT_OF_MEMORY when a thread could not get its buffers (its
+ * items are then not run). */
+static inline int rlk_parallel_items(int num_threads, int64_t items, int count, int64_t cols, size_t elem,
+                                     rlk_item_fn work, const void *op)
+{
+    if (items <= 0) return RLK_OK;
+    int out_of_memory = 0;
+#pragma omp parallel num_threads(rlk_row_threads(num_threads, items))
+    {
+        void *buffers[RLK_MAX_ROW_BUFFERS] = {NULL};
+        int ok = 1;
+        for (int b = 0; b < count; b++) ok = (buffers[b] = rlk_row_buffer(cols, elem)) != NULL && ok;
+        if (!ok) {
+#pragma omp atomic write
+            out_of_memory = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < items; i++)
+            if (ok) work(op, i, buffers);
+        for (int b = 0; b < count; b++) free(buffers[b]);
+    }
+    return out_of_memory ? RLK_CPU_OUT_OF_MEMORY : RLK_OK;
+}
+
 #endif /* RLK_CPU_ROW_REDUCE_H_ */

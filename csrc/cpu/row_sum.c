@@ -22,6 +22,20 @@
 #include "cpu/row_reduce.h"
 #include "ops/row_sum.h"
 
+static void sum_row(const void *op, int64_t r, void *const *buffers)
+{
+    const rlk_row_sum_args *a = op;
+    if (a->in_dtype == RLK_F64) {
+        const double s = rlk_row_sum16_f64((const double *)a->x + r * a->ldx, a->cols);
+        ((double *)a->y)[r] = a->mean ? s / (double)a->cols : s;
+    } else {
+        float *x = buffers[0];
+        rlk_load_row_f32(x, 1, a->x, a->in_dtype, r * a->ldx, a->cols);
+        const float s = rlk_row_sum16_f32(x, a->cols);
+        rlk_store_f32(a->y, a->out_dtype, r, a->mean ? s / (float)a->cols : s);
+    }
+}
+
 int rlk_row_sum_cpu(const rlk_row_sum_args *args, rlk_context *ctx)
 {
     const rlk_dtype in = args->in_dtype, out = args->out_dtype;
@@ -29,28 +43,7 @@ int rlk_row_sum_cpu(const rlk_row_sum_args *args, rlk_context *ctx)
     ctx->kernel = "row_sum_cpu";
     ctx->workspace_bytes = 0;
     if (ctx->plan_only || args->rows <= 0) return RLK_OK;
-    const int is_f64 = in == RLK_F64;
-    int out_of_memory = 0;
-
-#pragma omp parallel num_threads(rlk_row_threads(ctx->num_threads, args->rows))
-    {
-        float *x = is_f64 ? NULL : rlk_row_buffer(args->cols, sizeof(float));
-        if (!is_f64 && !x) {
-#pragma omp atomic write
-            out_of_memory = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < args->rows; r++) {
-            if (is_f64) {
-                const double s = rlk_row_sum16_f64((const double *)args->x + r * args->ldx, args->cols);
-                ((double *)args->y)[r] = args->mean ? s / (double)args->cols : s;
-            } else if (x) {
-                rlk_load_row_f32(x, 1, args->x, in, r * args->ldx, args->cols);
-                const float s = rlk_row_sum16_f32(x, args->cols);
-                rlk_store_f32(args->y, out, r, args->mean ? s / (float)args->cols : s);
-            }
-        }
-        free(x);
-    }
-    return out_of_memory ? RLK_CPU_OUT_OF_MEMORY : RLK_OK;
+    /* fp64 rows are summed in place; the others are converted into a buffer first */
+    return rlk_parallel_items(ctx->num_threads, args->rows, in == RLK_F64 ? 0 : 1, args->cols, sizeof(float),
+                              sum_row, args);
 }

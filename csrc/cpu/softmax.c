@@ -74,33 +74,21 @@ static void fwd_row_f64(const rlk_softmax_args *a, int64_t r, double *e)
     }
 }
 
+static void fwd_row(const void *op, int64_t r, void *const *buffers)
+{
+    const rlk_softmax_args *a = op;
+    if (a->in_dtype == RLK_F64) fwd_row_f64(a, r, buffers[1]);
+    else fwd_row_f32(a, r, buffers[0], buffers[1]);
+}
+
 int rlk_softmax_fwd_cpu(const rlk_softmax_args *args, rlk_context *ctx)
 {
     if (!valid_dtypes(args)) return RLK_UNSUPPORTED;
     ctx->kernel = "softmax_fwd_cpu";
     ctx->workspace_bytes = 0;
     if (ctx->plan_only || args->rows <= 0 || args->cols <= 0) return RLK_OK;
-    const int is_f64 = args->in_dtype == RLK_F64;
-    const size_t elem = is_f64 ? sizeof(double) : sizeof(float);
-    int out_of_memory = 0;
-
-#pragma omp parallel num_threads(rlk_row_threads(ctx->num_threads, args->rows))
-    {
-        void *x = rlk_row_buffer(args->cols, elem), *e = rlk_row_buffer(args->cols, elem);
-        if (!x || !e) {
-#pragma omp atomic write
-            out_of_memory = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < args->rows; r++) {
-            if (!x || !e) continue;
-            if (is_f64) fwd_row_f64(args, r, e);
-            else fwd_row_f32(args, r, x, e);
-        }
-        free(x);
-        free(e);
-    }
-    return out_of_memory ? RLK_CPU_OUT_OF_MEMORY : RLK_OK;
+    const size_t elem = args->in_dtype == RLK_F64 ? sizeof(double) : sizeof(float);
+    return rlk_parallel_items(ctx->num_threads, args->rows, 2, args->cols, elem, fwd_row, args);
 }
 
 /* ---------------------------------------- backward ------------------------------------------ */
@@ -136,33 +124,19 @@ static void bwd_row_f64(const rlk_softmax_args *a, int64_t r, double *t)
     }
 }
 
+static void bwd_row(const void *op, int64_t r, void *const *buffers)
+{
+    const rlk_softmax_args *a = op;
+    if (a->in_dtype == RLK_F64) bwd_row_f64(a, r, buffers[2]);
+    else bwd_row_f32(a, r, buffers[0], buffers[1], buffers[2]);
+}
+
 int rlk_softmax_bwd_cpu(const rlk_softmax_args *args, rlk_context *ctx)
 {
     if (!valid_dtypes(args)) return RLK_UNSUPPORTED;
     ctx->kernel = "softmax_bwd_cpu";
     ctx->workspace_bytes = 0;
     if (ctx->plan_only || args->rows <= 0 || args->cols <= 0) return RLK_OK;
-    const int is_f64 = args->in_dtype == RLK_F64;
-    const size_t elem = is_f64 ? sizeof(double) : sizeof(float);
-    int out_of_memory = 0;
-
-#pragma omp parallel num_threads(rlk_row_threads(ctx->num_threads, args->rows))
-    {
-        void *y = rlk_row_buffer(args->cols, elem), *dy = rlk_row_buffer(args->cols, elem);
-        void *t = rlk_row_buffer(args->cols, elem);
-        if (!y || !dy || !t) {
-#pragma omp atomic write
-            out_of_memory = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < args->rows; r++) {
-            if (!y || !dy || !t) continue;
-            if (is_f64) bwd_row_f64(args, r, t);
-            else bwd_row_f32(args, r, y, dy, t);
-        }
-        free(y);
-        free(dy);
-        free(t);
-    }
-    return out_of_memory ? RLK_CPU_OUT_OF_MEMORY : RLK_OK;
+    const size_t elem = args->in_dtype == RLK_F64 ? sizeof(double) : sizeof(float);
+    return rlk_parallel_items(ctx->num_threads, args->rows, 3, args->cols, elem, bwd_row, args);
 }
