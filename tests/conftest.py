@@ -1,5 +1,7 @@
 """Shared test helpers. GPU tests carry @pytest.mark.gpu and skip cleanly without CUDA."""
 
+import math
+
 import pytest
 import torch
 
@@ -42,3 +44,36 @@ def randn(*shape, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
 # Relative error of a GEMM against fp64 of the same (rounded) inputs, by output dtype: fp32
 # accumulation leaves ~1e-7 per element; a bf16/fp16 output adds its own rounding.
 GEMM_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def attention_reference(q, k, v, causal=True, scale=None):
+    """fp64 attention of [B, Tq, Hq, d] / [B, Tk, Hkv, d] with every row real (on q's device): out
+    [B, Tq, Hq, d] and lse [B, Hq, Tq]. Bottom-right causal mask; a row that sees no key gets out 0,
+    lse -inf. Differentiable (rows without keys get no gradient)."""
+    q, k, v = q.double(), k.double(), v.double()
+    tq, hq, d = q.shape[1:]
+    tk, hkv = k.shape[1:3]
+    scale = d ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    v = v.repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    rows = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
+    masked = (torch.arange(tk, device=q.device)[None, :] > rows) if causal else \
+        torch.zeros(tq, tk, dtype=torch.bool, device=q.device)
+    seen = ~masked.all(-1, keepdim=True)  # [tq, 1]: rows that see at least one key
+    s = s.masked_fill(masked & seen, -math.inf)  # rows without keys stay finite, then zeroed
+    p = torch.softmax(s, -1) * seen
+    lse = torch.logsumexp(s, -1).masked_fill(~seen[:, 0], -math.inf)
+    return torch.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def grads_of(fn, q, k, v, cotangent):
+    """(out, dq, dk, dv) of fn(q, k, v) -> out with the given cotangent, on fresh leaf copies."""
+    q, k, v = leaves(q, k, v)
+    out = fn(q, k, v)
+    out.backward(cotangent.to(out.dtype))
+    return out.detach(), q.grad, k.grad, v.grad

@@ -10,7 +10,7 @@ import torch
 
 import rl_kernels
 from rl_kernels import kernel_registry
-from conftest import randn, rel_err
+from conftest import attention_reference, grads_of, leaves, randn, rel_err
 
 # rel_err of out against fp64 of the same rounded inputs: fp32 keeps ~1e-7 per element; bf16 / fp16
 # add the output rounding (and P rounded to the dtype for the PV product).
@@ -28,40 +28,6 @@ def qkv(b, tq, tk, hq, hkv, d, dtype=torch.float32, seed=0):
     return (randn(b, tq, hq, d, dtype=dtype, seed=seed, scale=1.5),
             randn(b, tk, hkv, d, dtype=dtype, seed=seed + 1),
             randn(b, tk, hkv, d, dtype=dtype, seed=seed + 2))
-
-
-def reference(q, k, v, causal=True, scale=None):
-    """fp64 attention of [B, Tq, Hq, d] / [B, Tk, Hkv, d] with every row real: out [B, Tq, Hq, d]
-    and lse [B, Hq, Tq]. Bottom-right causal mask; a row that sees no key gets out 0, lse -inf.
-    Differentiable (rows without keys get no gradient)."""
-    q, k, v = q.double(), k.double(), v.double()
-    tq, hq, d = q.shape[1:]
-    tk, hkv = k.shape[1:3]
-    scale = d ** -0.5 if scale is None else scale
-    k = k.repeat_interleave(hq // hkv, dim=2)
-    v = v.repeat_interleave(hq // hkv, dim=2)
-    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
-    if causal:
-        masked = torch.arange(tk)[None, :] > torch.arange(tq)[:, None] + (tk - tq)
-    else:
-        masked = torch.zeros(tq, tk, dtype=torch.bool)
-    seen = ~masked.all(-1, keepdim=True)  # [tq, 1]: rows that see at least one key
-    s = s.masked_fill(masked & seen, -math.inf)  # rows without keys stay finite, then zeroed
-    p = torch.softmax(s, -1) * seen
-    lse = torch.logsumexp(s, -1).masked_fill(~seen[:, 0], -math.inf)
-    return torch.einsum("bhij,bjhd->bihd", p, v), lse
-
-
-def leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
-def grads_of(fn, q, k, v, cotangent):
-    """(out, dq, dk, dv) of fn(q, k, v) -> out with the given cotangent."""
-    q, k, v = leaves(q, k, v)
-    out = fn(q, k, v)
-    out.backward(cotangent.to(out.dtype))
-    return out.detach(), q.grad, k.grad, v.grad
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,12 +54,12 @@ def test_forward_and_lse_match_fp64(dtype, causal, hq, hkv, d, tq, tk):
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (b, hq, tq)
     assert kernel_registry.last_kernel() == "attention_fwd_cpu"
-    ref, ref_lse = reference(q, k, v, causal)
+    ref, ref_lse = attention_reference(q, k, v, causal)
     assert rel_err(out, ref) <= OUT_TOL[dtype]
     assert (lse.double() - ref_lse).abs().max() <= LSE_TOL
     if tq * tk < 10 ** 6:  # an explicit scale
         out2 = rl_kernels.attention(q, k, v, causal=causal, softmax_scale=0.3)
-        assert rel_err(out2, reference(q, k, v, causal, scale=0.3)[0]) <= OUT_TOL[dtype]
+        assert rel_err(out2, attention_reference(q, k, v, causal, scale=0.3)[0]) <= OUT_TOL[dtype]
     assert torch.equal(rl_kernels.attention(q, k, v, causal=causal), out)
 
 
@@ -103,7 +69,7 @@ def test_fp64_forward_is_exact_to_rounding():
     assert lse.dtype == torch.float64
     # the kernels take softmax_scale as an fp32 (rlk_attention_args.softmax_scale), fp64 inputs too
     scale = torch.tensor(24 ** -0.5, dtype=torch.float32).item()
-    ref, ref_lse = reference(q, k, v, scale=scale)
+    ref, ref_lse = attention_reference(q, k, v, scale=scale)
     assert rel_err(out, ref) <= 1e-13 and (lse - ref_lse).abs().max() <= 1e-12
 
 
@@ -111,7 +77,7 @@ def test_query_rows_past_the_keys_see_nothing():
     """Tq > Tk, causal bottom-right: the first Tq - Tk rows sit before key 0 (out 0, lse -inf)."""
     q, k, v = qkv(1, 5, 3, 2, 1, 16, seed=4)
     out, lse = rl_kernels.attention(q, k, v, return_lse=True)
-    ref, ref_lse = reference(q, k, v)
+    ref, ref_lse = attention_reference(q, k, v)
     assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))
     assert torch.equal(lse[..., :2], torch.full_like(lse[..., :2], -math.inf))
     assert rel_err(out, ref) <= 2e-6 and (lse[..., 2:].double() - ref_lse[..., 2:]).abs().max() <= 1e-5
@@ -126,7 +92,7 @@ def test_gradients_random_cotangents_vs_fp64(dtype, causal, hq, hkv, d, tq, tk):
     q, k, v = qkv(b, tq, tk, hq, hkv, d, dtype, seed=tq + 7)
     cotangent = randn(b, tq, hq, d, seed=tq + 8)
     got = grads_of(lambda q, k, v: rl_kernels.attention(q, k, v, causal=causal), q, k, v, cotangent)
-    want = grads_of(lambda q, k, v: reference(q, k, v, causal)[0], q.double(), k.double(),
+    want = grads_of(lambda q, k, v: attention_reference(q, k, v, causal)[0], q.double(), k.double(),
                     v.double(), cotangent)
     assert rel_err(got[0], want[0]) <= OUT_TOL[dtype]
     for name, x, ref in zip(("dq", "dk", "dv"), got[1:], want[1:]):
@@ -172,7 +138,7 @@ def test_empty_sequences_and_zero_length_rows_packed():
                 continue
             r_leaves = leaves(q[qs:qe].double()[None], k[ks:ke].double()[None],
                               v[ks:ke].double()[None])
-            ref, ref_lse = reference(*r_leaves, causal)
+            ref, ref_lse = attention_reference(*r_leaves, causal)
             if k_lens[b] == 0:
                 assert torch.equal(out[qs:qe], torch.zeros_like(out[qs:qe]))
                 assert torch.equal(lse[:, qs:qe], torch.full_like(lse[:, qs:qe], -math.inf))
@@ -200,7 +166,7 @@ def test_zero_length_rows_in_a_padded_batch():
     out, lse = rl_kernels.attention(ql, kl, vl, q_len=q_len, k_len=k_len, return_lse=True)
     assert torch.equal(out[1:], torch.zeros_like(out[1:]))
     assert torch.equal(lse[1:], torch.full_like(lse[1:], -math.inf))
-    assert rel_err(out[:1], reference(q[:1], k[:1], v[:1])[0]) <= 2e-6
+    assert rel_err(out[:1], attention_reference(q[:1], k[:1], v[:1])[0]) <= 2e-6
     out.backward(randn(*out.shape, seed=14))
     assert torch.equal(ql.grad[1:], torch.zeros_like(ql.grad[1:]))
     assert torch.equal(kl.grad[1:], torch.zeros_like(kl.grad[1:]))
@@ -240,15 +206,17 @@ def test_chunked_prefill_bitwise_equals_prefill(long_sequence, chunk):
         sliced.append(out)
         assert torch.equal(lse, full_lse[..., s:e]), f"lse of chunk {s}:{e}"
         # (b) the same rows addressed in the full tensors with q_start / q_len / k_len
-        out = rl_kernels.attention(q, k, v, q_start=i32([s]), q_len=i32([e - s]), k_len=i32([e]))
+        out, lse = rl_kernels.attention(q, k, v, q_start=i32([s]), q_len=i32([e - s]), k_len=i32([e]),
+                                        return_lse=True)
         assert torch.equal(out[:, :s], torch.zeros_like(out[:, :s]))
         assert torch.equal(out[:, e:], torch.zeros_like(out[:, e:]))
         ranged[:, s:e] = out[:, s:e]
+        ranged_lse[..., s:e] = lse[..., s:e]
         # (c) a KV cache (stale NaN past its length) the chunk's keys are appended to
         cached.append(rl_kernels.attention_with_kvcache(q[:, s:e], k_cache, v_cache, s,
                                                         k_new=k[:, s:e], v_new=v[:, s:e]))
     assert torch.equal(torch.cat(sliced, 1), full)
-    assert torch.equal(ranged, full)
+    assert torch.equal(ranged, full) and torch.equal(ranged_lse, full_lse)
     assert torch.equal(torch.cat(cached, 1), full)
     assert torch.equal(k_cache[:, :T_LONG], k) and torch.equal(v_cache[:, :T_LONG], v)
 

@@ -4,7 +4,6 @@ packing, padding, batch 1 vs 16 decode, CUDA-graph decode, the Qwen3-8B shape, s
 cache, deterministic backward, bad ranges flagged without a sync. Skipped without CUDA (and per
 backend when it has no attention kernels or cannot run on the device)."""
 
-import math
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 
 import rl_kernels
 from rl_kernels import kernel_registry
-from conftest import HAS_CUDA, rel_err
+from conftest import HAS_CUDA, attention_reference, grads_of, leaves, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -51,37 +50,6 @@ def qkv(b, tq, tk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
             cuda_randn(b, tk, hkv, d, dtype=dtype, seed=seed + 2))
 
 
-def reference(q, k, v, causal=True, scale=None):
-    """fp64 attention ([B, Tq, Hq, d] / [B, Tk, Hkv, d], every row real), bottom-right causal;
-    rows without keys: out 0, lse -inf. Differentiable."""
-    q, k, v = q.double(), k.double(), v.double()
-    tq, hq, d = q.shape[1:]
-    tk, hkv = k.shape[1:3]
-    scale = d ** -0.5 if scale is None else scale
-    k = k.repeat_interleave(hq // hkv, dim=2)
-    v = v.repeat_interleave(hq // hkv, dim=2)
-    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
-    rows = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
-    masked = (torch.arange(tk, device=q.device)[None, :] > rows) if causal else \
-        torch.zeros(tq, tk, dtype=torch.bool, device=q.device)
-    seen = ~masked.all(-1, keepdim=True)
-    s = s.masked_fill(masked & seen, -math.inf)
-    p = torch.softmax(s, -1) * seen
-    lse = torch.logsumexp(s, -1).masked_fill(~seen[:, 0], -math.inf)
-    return torch.einsum("bhij,bjhd->bihd", p, v), lse
-
-
-def leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
-def grads_of(fn, q, k, v, cotangent):
-    q, k, v = leaves(q, k, v)
-    out = fn(q, k, v)
-    out.backward(cotangent.to(out.dtype))
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 def sdpa(q, k, v, causal):
     """torch SDPA on [B, T, H, d] (square q / k when causal: SDPA aligns its mask top-left)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -112,7 +80,7 @@ def test_accuracy_vs_fp64_and_sdpa(backend, dtype, d, causal, hq, hkv, t):
     group = hq // hkv
     kv_heads = sorted({0, hkv - 1})
     q_heads = [h for g in kv_heads for h in range(g * group, (g + 1) * group)]
-    want = grads_of(lambda q, k, v: reference(q, k, v, causal)[0], q[:, :, q_heads].double(),
+    want = grads_of(lambda q, k, v: attention_reference(q, k, v, causal)[0], q[:, :, q_heads].double(),
                     k[:, :, kv_heads].double(), v[:, :, kv_heads].double(), cot[:, :, q_heads])
     # one key (t = 1): out = v, so dq = dk = 0 exactly; errors are then measured against 1% of
     # dv's norm (the cotangent's scale) rather than a zero norm
@@ -129,7 +97,7 @@ def test_accuracy_vs_fp64_and_sdpa(backend, dtype, d, causal, hq, hkv, t):
     assert _ran_on(kernel_registry.last_kernel(), "attention_fwd", backend)
     assert lse.dtype == torch.float32 and lse.shape == (b, hq, t)
     assert torch.equal(out, got[0])
-    ref_lse = reference(q[:, :, q_heads], k[:, :, kv_heads], v[:, :, kv_heads], causal)[1]
+    ref_lse = attention_reference(q[:, :, q_heads], k[:, :, kv_heads], v[:, :, kv_heads], causal)[1]
     assert (lse[:, q_heads].double() - ref_lse).abs().max() <= 1e-4
 
 
@@ -141,7 +109,7 @@ def test_decode_and_chunk_shapes_vs_fp64(backend, dtype, causal, tq, tk):
     """q shorter (or longer) than k, causal bottom-right: vs fp64 (SDPA has no bottom-right mask)."""
     q, k, v = qkv(2, tq, tk, 32, 8, 128, dtype, seed=tq * 7 + tk)
     out, lse = rl_kernels.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
-    ref, ref_lse = reference(q, k, v, causal)
+    ref, ref_lse = attention_reference(q, k, v, causal)
     assert rel_err(out, ref) <= {torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen)
