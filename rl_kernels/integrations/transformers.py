@@ -408,25 +408,23 @@ class Rollout:
 
 def left_pad(sequences, pad_token_id, device):
     """[B, T] token ids and attention mask of lists of token ids, padded on the left."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        if seq:
-            ids[b, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
-            mask[b, width - len(seq):] = 1
-    return ids.to(device), mask.to(device)
+    return _pad(sequences, pad_token_id, device, left=True)
 
 
 def right_pad(sequences, pad_token_id, device):
     """[B, T] token ids and attention mask of lists of token ids, padded on the right."""
+    return _pad(sequences, pad_token_id, device, left=False)
+
+
+def _pad(sequences, pad_token_id, device, left):
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for b, seq in enumerate(sequences):
         if seq:
-            ids[b, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-            mask[b, :len(seq)] = 1
+            cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+            ids[b, cols] = torch.as_tensor(seq, dtype=torch.long)
+            mask[b, cols] = 1
     return ids.to(device), mask.to(device)
 
 
