@@ -12,6 +12,10 @@ from conftest import HAS_CUDA, QWEN3_8B_SHAPES, rel_err
 pytestmark = pytest.mark.gpu
 
 M_SWEEP = [1, 2, 3, 7, 8, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 1024, 4096]
+# benchmarks/bench_gemm_layer.py's decode batches and ragged token counts (<= 4096): every tile config,
+# waves of whole tiles and stream-K (a tile's k-slices split between two CTAs) all occur among them
+LAYER_BENCH_M = [5, 13, 24, 48, 100, 200, 209, 222, 304, 354, 395, 421, 446, 479, 487, 791, 964, 1025, 1091,
+                 1334, 1362, 1468, 2036, 2555, 2661, 2710]
 
 
 def _usable(backend):
@@ -38,11 +42,25 @@ def test_rows_bitwise_invariant_over_m_sweep(backend, k, n, activations):
     a = activations[:, :k]
     w = cuda_randn(n, k, seed=2, scale=k ** -0.5)
     full = rl_kernels.det_gemm(a, w.t(), backend=backend)
-    for m in M_SWEEP:
+    for m in M_SWEEP + LAYER_BENCH_M:
         part = rl_kernels.det_gemm(a[:m], w.t(), backend=backend)
         assert torch.equal(part, full[:m]), f"{backend} K={k} N={n}: prefix M={m} differs"
     for i in (0, 1, 63, 64, 127, 1000, 4095):  # a row alone at positions across tiles
         assert torch.equal(rl_kernels.det_gemm(a[i:i + 1], w.t(), backend=backend), full[i:i + 1])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("k,n", [(4096, 1024), (12288, 4096)])
+def test_rows_bitwise_invariant_at_training_token_counts(backend, k, n):
+    """Token counts past 4096 as training micro-batches have them (bench_gemm_layer's), against a
+    longer batch: several waves, stream-K with the last wave split, and whole waves."""
+    a = cuda_randn(18200, k, seed=21)
+    w = cuda_randn(n, k, seed=22, scale=k ** -0.5)
+    full = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    for m in (4097, 5482, 8942, 16487, 18126):
+        assert torch.equal(rl_kernels.det_gemm(a[:m], w.t(), backend=backend), full[:m]), f"M={m} differs"
+        assert torch.equal(rl_kernels.det_gemm(a[18200 - m:], w.t(), backend=backend), full[18200 - m:]), \
+            f"suffix M={m} differs"
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

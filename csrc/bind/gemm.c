@@ -172,7 +172,8 @@ static PyObject *new_gemm_out(const tensor_arg *a, const tensor_arg *b, int out_
                                out_dtype < 0 ? a->dtype : (rlk_dtype)out_dtype);
 }
 
-/* Runs the batch entries in order; stops at the first error. */
+/* Runs the batch entries in order, each with the scratch memory its kernel plans (sm90 stream-K);
+ * stops at the first error. */
 static int run_gemm_batches(const gemm_call *call, int backend, const tensor_arg *ref, rlk_context *ctx) {
     rlk_gemm_args args = call->args;
     const size_t in_size = rlk_dtype_size(args.in_dtype), out_size = rlk_dtype_size(args.out_dtype);
@@ -182,7 +183,7 @@ static int run_gemm_batches(const gemm_call *call, int backend, const tensor_arg
         args.c = call->args.c ? (const char *)call->args.c + batch * call->c_batch_stride * out_size
                               : NULL;
         args.out = (char *)call->args.out + batch * call->out_batch_stride * out_size;
-        const int status = rlk_run("gemm", backend, ref, call_gemm, &args, ctx, NULL);
+        const int status = rlk_run_planned("gemm", backend, ref, call_gemm, &args, &args.workspace, ctx);
         if (status != RLK_OK) return status;
     }
     return RLK_OK;

@@ -46,6 +46,8 @@ typedef struct rlk_gemm_args {
     void *out;
     int64_t ldo;
     double alpha, beta; /* as given; the fp32 kernels round them to fp32 */
+    void *workspace;    /* ctx->workspace_bytes as planned, or NULL: a kernel that plans scratch memory
+                           runs without it when given none (sm90: stream-K tiling, same results) */
 } rlk_gemm_args;
 
 typedef int rlk_gemm_fn(const rlk_gemm_args *args, rlk_context *ctx);

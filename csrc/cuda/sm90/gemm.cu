@@ -2,7 +2,7 @@
  * csrc/ops/gemm.h), on the warp-specialized wgmma main loop of gemm_kernel.cuh (tile plan and the
  * invariance argument are there).
  *
- * Tile configs (all the same per-element k16 wgmma sequence; choose_config picks by M and N):
+ * Tile configs (all the same per-element k16 wgmma sequence; choose_plan picks by M, N and K):
  *   large:  BM = 128 (2 consumer warpgroups, setmaxnreg 232/40), BN = 256, 4 stages + 32 KB of epilogue
  *           buffers, clusters of 2 CTAs on vertically adjacent tiles sharing B by multicast;
  *   medium: the same with BN = 128, 6 stages;
@@ -11,7 +11,9 @@
  *   small:  BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster;
  *   narrow: BM = 64, BN = 96 / 48 / 32 / 16 (10 / 14 / 16 / 20 stages), K-major B only.
  * M <= 64 (decode) takes the narrowest 64-row config whose tiles still fit in one wave; larger M whichever
- * of the first four a waves x cycles-per-tile estimate finds fastest.
+ * of the first four a measured ns-per-step estimate finds fastest, in waves of whole tiles or stream-K
+ * (gemm_kernel.cuh: every SM an equal share of the k-slices, a tile split between two CTAs continuing
+ * one accumulator chain through L2; the workspace is planned, ctx->workspace_bytes).
  *
  * Invariance proof on the GPU: tests/test_gpu_gemm.py (every M of the sweep 1..4096 against M = 4096 on
  * the Qwen3-8B shapes, which exercises every config; rows shifted across tiles; outputs and operands at
@@ -36,35 +38,49 @@ enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_TALL, CONFIG_NARROW96, 
        CONFIG_NARROW16 };
 static const int config_bm[CONFIG_TALL + 1] = {128, 128, 64, 128};
 static const int config_bn[CONFIG_TALL + 1] = {256, 128, 64, 64};
-/* Estimated SM cycles per k16 step of one tile (measured order of magnitude on H100): two m64n256 wgmmas
- * at ~80% of peak, two m64n128, one latency-bound m64n64 chain. The tall value is a weight, not a cycle
- * count: one-wave tall grids measured 160-190 cycles per step, yet beat the medium config's one-wave grids
- * (half the SMs; M = N = 1024: 24.5 vs 28.3 us, M = 256, N = 4096: 23.4 vs 30.0), while the medium
- * config is chosen wherever tall would need more waves. */
-static const int config_cycles[CONFIG_TALL + 1] = {320, 170, 100, 120};
+static const int config_consumers[CONFIG_TALL + 1] = {2, 2, 1, 2};
+/* ns per k16 step of a wave of tiles, measured on the H100 (bench_gemm_layer, median over the Qwen3-8B
+ * layer shapes; docs/perf-notes.md "Layer GEMMs at ragged token counts"). */
+static const int config_step_ns[CONFIG_TALL + 1] = {197, 126, 74, 106};
+/* Stream-K's fixed cost: the flag memset and hand-over latency, plus every CTA writing and later
+ * reading a tile of fp32 accumulators through L2 (~5.5 TB/s). */
+static double stream_k_overhead_ns(int config, int num_sms) {
+    return 2000.0 + 2.0 * num_sms * config_bm[config] * config_bn[config] * 4 / 5500.0;
+}
+
+typedef struct gemm_plan {
+    int config;
+    bool stream_k;
+} gemm_plan;
 
 /* Up to 64 rows (decode): 64-row tiles (128-row tiles would mostly multiply zero-filled rows). Each tile is
  * one latency-bound chain of K/16 wgmmas, and the weights stream through the SMs that own tiles, so the
  * width whose tiles come closest to filling one wave wins: 16, 32, 48, 64 or 96 columns (all but 64
  * need K-major B: an MN-major B box is 64 columns wide); with more columns than 96 x SMs, 64 (several
- * waves). Otherwise the fewest estimated cycles among the first four: waves of tiles x cycles per tile. */
-static int choose_config(int64_t M, int64_t N, bool b_mn, int num_sms) {
+ * waves). Otherwise the fewest estimated ns among the first four, each either in waves of whole tiles
+ * (the last wave partly empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal
+ * share of the k-slices per SM, plus its overhead). */
+static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool may_stream_k, int num_sms) {
     if (M <= 64) {
         static const int widths[] = {16, 32, 48, 64, 96};
         static const int configs[] = {CONFIG_NARROW16, CONFIG_NARROW32, CONFIG_NARROW48, CONFIG_SMALL,
                                       CONFIG_NARROW96};
         for (int i = 0; i < 5; ++i)
-            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) return configs[i];
-        return CONFIG_SMALL;
+            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) return {configs[i], false};
+        return {CONFIG_SMALL, false};
     }
-    int best = CONFIG_LARGE;
-    int64_t best_cost = INT64_MAX;
+    const double steps = (double)((K + 63) / 64 * 4);
+    gemm_plan best = {CONFIG_LARGE, false};
+    double best_ns = INFINITY;
     for (int c = 0; c <= CONFIG_TALL; ++c) {
         const int64_t tiles = ((M + config_bm[c] - 1) / config_bm[c]) * ((N + config_bn[c] - 1) / config_bn[c]);
-        const int64_t cost = (tiles + num_sms - 1) / num_sms * config_cycles[c];
-        if (cost < best_cost) {
-            best_cost = cost;
-            best = c;
+        const double waves_ns = (double)((tiles + num_sms - 1) / num_sms) * steps * config_step_ns[c];
+        const double stream_k_ns = (double)tiles / num_sms * steps * config_step_ns[c] + stream_k_overhead_ns(c, num_sms);
+        const bool stream_k = may_stream_k && tiles > num_sms && stream_k_ns < waves_ns;
+        const double ns = stream_k ? stream_k_ns : waves_ns;
+        if (ns < best_ns) {
+            best_ns = ns;
+            best = {c, stream_k};
         }
     }
     return best;
@@ -112,14 +128,22 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     if (args->K > 0 && (!tma_operand_ok(args->a, args->lda) || !tma_operand_ok(args->b, args->ldb)))
         return RLK_UNSUPPORTED;
     ctx->kernel = "gemm_sm90";
-    if (ctx->plan_only) return RLK_OK;
 
     int device, num_sms;
     const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
-    const gemm_sm90_params p = gemm_params(args);
-    const int config = choose_config(args->M, args->N, !args->b_trans, num_sms);
+    /* stream-K is a choice of schedule only: a call planned without scratch memory gives the same bits */
+    const gemm_plan plan = choose_plan(args->M, args->N, args->K, !args->b_trans, true, num_sms);
+    if (ctx->plan_only) {
+        if (plan.stream_k)
+            ctx->workspace_bytes = stream_k_workspace_bytes(config_bn[plan.config], config_consumers[plan.config], num_sms);
+        return RLK_OK;
+    }
+    gemm_sm90_params p = gemm_params(args);
+    const int config = args->workspace ? plan.config : choose_plan(args->M, args->N, args->K, !args->b_trans, false, num_sms).config;
+    p.stream_k = args->workspace && plan.stream_k;
+    p.partials = (float *)args->workspace;
 
     const cudaStream_t s = (cudaStream_t)ctx->stream;
     if (args->in_dtype == RLK_BF16)

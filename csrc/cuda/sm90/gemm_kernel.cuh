@@ -16,13 +16,25 @@
  * consumer handed to TMA stores (store_tile_tma), so the consumers return to the next tile's wgmmas
  * without waiting on global stores.
  *
+ * Stream-K (GEMM only, when the caller gives scratch memory): when the work items leave the last wave
+ * partly empty, each cluster takes an equal share of all the k-slices instead of whole items: cluster
+ * g of G owns slices [g T / G, (g + 1) T / G) of the T = items x k_tiles in work order, that is the tail
+ * of one item, whole items, and the head of another (items >= G, so no item spans three clusters). The
+ * head's owner runs its slices from zero and stores the fp32 accumulators to a slot of the workspace;
+ * the next cluster loads them and continues the same chain through the remaining slices, then runs the
+ * epilogue. Each cluster does its head first and its tail last, so the wait for the previous cluster's
+ * head is short or none; cluster g waits only on cluster g - 1 of a persistent grid of co-resident
+ * clusters. This is the cuBLAS answer to wave quantization without its split-K sums: no element is
+ * summed in a different order.
+ *
  * Batch invariance. Every output element is produced by the same instruction sequence whatever the
  * tile config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
  * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
  * filled by TMA, adding exact zeros), then the epilogue's explicitly rounded fp32 operations. The wgmma
- * N width (256 to 16), the row offset inside the tile, the cluster and the store path do not change an
- * element's arithmetic.
- * No split-K, no atomics. The per-op proofs are the GPU tests named in sm90/gemm.cu and
+ * N width (256 to 16), the row offset inside the tile, the cluster, the store path and a stream-K
+ * hand-over (an exact fp32 copy of the accumulator registers, which the next wgmma adds into as it
+ * would have in place) do not change an element's arithmetic.
+ * No split-K sums, no atomics. The per-op proofs are the GPU tests named in sm90/gemm.cu and
  * sm90/linear_logp.cu.
  *
  * Build: part of csrc/cuda/sm90/gemm.cu and linear_logp.cu (see there).
@@ -55,6 +67,9 @@ typedef struct gemm_sm90_params {
     float alpha, beta;
     int c_pairs_aligned, out_pairs_aligned;  /* 2-element vector access allowed for C / out */
     int tma_store;                            /* store through shared memory + TMA (map_out is valid) */
+    int stream_k;                             /* split the k-slices evenly across clusters (see above) */
+    float *partials;                          /* stream_k: a 64 x BN fp32 slot per consumer of each CTA */
+    int *partial_ready;                       /* stream_k: a flag per slot, zeroed before the launch */
 } gemm_sm90_params;
 
 /* ------------------------------------ storing epilogues ------------------------------------- */
@@ -260,6 +275,76 @@ __device__ __forceinline__ void work_coords(int work, int m_groups, int n_units,
     *n_unit = local / rows;
 }
 
+/* The work of one cluster, in the order it runs: a head piece (k-slices [0, head_end) of head_work; none
+ * when head_end = 0), whole items first + i * stride (i < count), a tail piece (k-slices
+ * [tail_begin, k_tiles) of tail_work; none when tail_begin = 0). Without stream-K only whole items,
+ * strided over the clusters. */
+struct work_plan {
+    int head_work, head_end;
+    int first, count, stride;
+    int tail_work, tail_begin;
+
+    __device__ __forceinline__ int pieces() const { return (head_end > 0) + count + (tail_begin > 0); }
+    __device__ __forceinline__ void piece(int i, int k_tiles, int *work, int *k_begin, int *k_end) const {
+        if (head_end > 0) {
+            if (i == 0) {
+                *work = head_work, *k_begin = 0, *k_end = head_end;
+                return;
+            }
+            --i;
+        }
+        if (i < count) *work = first + i * stride, *k_begin = 0, *k_end = k_tiles;
+        else *work = tail_work, *k_begin = tail_begin, *k_end = k_tiles;
+    }
+};
+
+__device__ __forceinline__ work_plan plan_work(bool stream_k, int num_work, int k_tiles, int cluster, int clusters) {
+    work_plan w = {0, 0, cluster, 0, clusters, 0, 0};
+    if (!stream_k) {
+        w.count = cluster < num_work ? (num_work - cluster + clusters - 1) / clusters : 0;
+        return w;
+    }
+    const int64_t total = (int64_t)num_work * k_tiles;
+    const int64_t begin = total * cluster / clusters, end = total * (cluster + 1) / clusters;
+    w.first = (int)(begin / k_tiles);
+    if (begin % k_tiles) {
+        w.tail_work = w.first++;
+        w.tail_begin = (int)(begin % k_tiles);
+    }
+    const int last = (int)(end / k_tiles);
+    w.head_work = last;
+    w.head_end = (int)(end % k_tiles);
+    w.count = last - w.first;
+    w.stride = 1;
+    return w;
+}
+
+/* Stream-K hand-over of one consumer warpgroup's 64 x BN accumulators through a slot of 64 x BN floats:
+ * thread t's d[4i .. 4i+3] go to float4 i * 128 + t (each warp access 512 contiguous bytes), through L2. */
+template <int BN>
+__device__ __forceinline__ void store_partial(const float (&d)[BN / 2], float *slot, int *ready, uint32_t barrier_id) {
+    const int t = threadIdx.x % 128;
+    float4 *dst = (float4 *)slot + t;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) __stcg(dst + 128 * i, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+    warpgroup_sync(barrier_id);
+    if (t == 0) flag_release(ready);
+}
+
+template <int BN>
+__device__ __forceinline__ void load_partial(float (&d)[BN / 2], const float *slot, const int *ready,
+                                             uint32_t barrier_id) {
+    const int t = threadIdx.x % 128;
+    if (t == 0) flag_acquire(ready);
+    warpgroup_sync(barrier_id);
+    const float4 *src = (const float4 *)slot + t;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+        const float4 v = __ldcg(src + 128 * i);
+        d[4 * i] = v.x, d[4 * i + 1] = v.y, d[4 * i + 2] = v.z, d[4 * i + 3] = v.w;
+    }
+}
+
 /* two epilogue buffers per consumer for the 2-consumer kernels that store their tiles (store_tile_tma) */
 template <int CONSUMERS, class Epilogue>
 __host__ __device__ constexpr int epi_buffers() {
@@ -302,7 +387,8 @@ __device__ __forceinline__ void issue_k_slice(float (&d)[BN / 2], int s, uint32_
     fence_accumulators(d);
 }
 
-/* One consumer warpgroup's k loop over one tile: d = its 64 rows (A at a_rows) times the BN columns.
+/* One consumer warpgroup's k loop over k-slices [k_begin, k_end) of one tile: d = its 64 rows (A at a_rows)
+ * times the BN columns, from zero when k_begin = 0, else continuing the chain d holds (stream-K).
  * it counts k-slices through the stage ring across tiles; each stage is freed once the wgmmas reading it
  * are done, keeping one k-slice of wgmmas in flight while waiting for the previous one.
  * CHAIN = 0 (GEMM): every k16 step accumulates into d.
@@ -312,14 +398,16 @@ __device__ __forceinline__ void issue_k_slice(float (&d)[BN / 2], int s, uint32_
  * of 1, 2 or 4 slices gave ~2e-5, and 4 hides the FADDs (a chain per slice cost 25% of the time).
  * Every order here depends on K alone. */
 template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, int CHAIN>
-__device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_tiles, int &it, uint32_t a_rows, uint32_t b_smem,
-                                         uint32_t full_bar, uint32_t empty_bar, int cta_rank) {
+__device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_begin, int k_end, int &it, uint32_t a_rows,
+                                         uint32_t b_smem, uint32_t full_bar, uint32_t empty_bar, int cta_rank) {
     const bool warp_leader = threadIdx.x % 32 == 0;
     float chain[CHAIN > 0 ? BN / 2 : 1];
+    if (k_begin == 0) {
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+        for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    }
     bool prev_busy = false;  /* the previous k-slice's stage still awaits release */
-    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+    for (int kt = k_begin; kt < k_end; ++kt, ++it) {
         const int s = it % STAGES;
         mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
         if constexpr (CHAIN > 0) issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain, s, a_rows, b_smem, kt % CHAIN != 0);
@@ -329,7 +417,7 @@ __device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_tiles, int &i
         if (prev_busy && warp_leader) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
         prev_busy = true;
         if constexpr (CHAIN > 0) {
-            if (kt % CHAIN == CHAIN - 1 || kt == k_tiles - 1) {
+            if (kt % CHAIN == CHAIN - 1 || kt == k_end - 1) {
                 wgmma_wait<0>();
                 fence_accumulators(chain);
                 if (warp_leader) release_stage<CLUSTER>(empty_bar + 8 * s, cta_rank);
@@ -381,19 +469,22 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     const int warpgroup = threadIdx.x / 128;
     const int m_groups = (p.m_tiles + CLUSTER - 1) / CLUSTER;
     const int num_work = m_groups * p.n_units;
-    const int first_work = blockIdx.x / CLUSTER, work_stride = gridDim.x / CLUSTER;
+    constexpr bool STREAM_K = TILES_PER_UNIT == 1 && Epilogue::CHAIN == 0 && Epilogue::STORES_TILES;
+    const work_plan plan = plan_work(STREAM_K && p.stream_k, num_work, p.k_tiles, blockIdx.x / CLUSTER,
+                                     gridDim.x / CLUSTER);
 
     if (warpgroup == 0) {
         /* producer: one thread keeps the ring full across tiles */
         if constexpr (CONSUMERS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x == 0) {
             int it = 0;
-            for (int work = first_work; work < num_work; work += work_stride) {
-                int m_blk, n_unit;
+            for (int i = 0; i < plan.pieces(); ++i) {
+                int work, k_begin, k_end, m_blk, n_unit;
+                plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
                 work_coords<CLUSTER>(work, m_groups, p.n_units, cta_rank, &m_blk, &n_unit);
                 const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
                 for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
-                    for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
+                    for (int kt = k_begin; kt < k_end; ++kt, ++it) {
                         const int s = it % STAGES;
                         mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
                         const uint32_t bar = full_bar + 8 * s;
@@ -437,22 +528,33 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
         const uint32_t a_rows = a_smem + c * 64 * BK * 2;
         float d[BN / 2];
         int it = 0;
-        for (int work = first_work; work < num_work; work += work_stride) {
-            int m_blk, n_unit;
+        for (int i = 0; i < plan.pieces(); ++i) {
+            int work, k_begin, k_end, m_blk, n_unit;
+            plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
             work_coords<CLUSTER>(work, m_groups, p.n_units, cta_rank, &m_blk, &n_unit);
             const int row0 = m_blk * BM + 64 * c;
             const tile_store store{&map_out, epi_smem + c * 2 * EPI_BOX_BYTES, 1u + c};
             auto unit = Epilogue::begin(row0, p, ep);  /* per-row data, loaded before the k loop */
             if constexpr (TILES_PER_UNIT == 1) {
+                /* stream-K slots: this CTA's tail piece continues from slot (cta, c), written by the same
+                 * rank of the previous cluster; its head piece goes to the next cluster's slot */
+                const int slot = (int)blockIdx.x * CONSUMERS + c;
+                if (STREAM_K && k_begin > 0)
+                    load_partial<BN>(d, p.partials + (int64_t)slot * 64 * BN, p.partial_ready + slot, 1u + c);
                 /* no loop state: with it the 256-wide dz kernel spilled */
                 mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
-                    d, p.k_tiles, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
+                    d, k_begin, k_end, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
+                if (STREAM_K && k_end < p.k_tiles) {
+                    const int next = slot + CLUSTER * CONSUMERS;
+                    store_partial<BN>(d, p.partials + (int64_t)next * 64 * BN, p.partial_ready + next, 1u + c);
+                    continue;
+                }
                 Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_unit * BN, p, ep, store);
             } else {
                 const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
                 for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
                     mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
-                        d, p.k_tiles, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
+                        d, 0, p.k_tiles, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
                     Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_blk * BN, p, ep, store);
                 }
             }
@@ -568,11 +670,26 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     p.col_tiles = (int)((args->N + BN - 1) / BN);
     p.n_units = (p.col_tiles + Epilogue::TILES_PER_UNIT - 1) / Epilogue::TILES_PER_UNIT;
     const int work = (p.m_tiles + CLUSTER - 1) / CLUSTER * p.n_units;
-    config.gridDim = dim3((work < max_clusters[device] ? work : max_clusters[device]) * CLUSTER);
+    const int clusters = work < max_clusters[device] ? work : max_clusters[device];
+    config.gridDim = dim3(clusters * CLUSTER);
+    /* stream-K (p.partials: stream_k_workspace_bytes of scratch) pays only where whole items would leave
+     * the last wave partly empty, and needs no item to span three clusters */
+    if (p.stream_k && (work < max_clusters[device] || work % clusters == 0)) p.stream_k = 0;
+    if (p.stream_k) {
+        p.partial_ready = (int *)(p.partials + (int64_t)num_sms * CONSUMERS * 64 * BN);
+        const cudaError_t err = cudaMemsetAsync(p.partial_ready, 0, sizeof(int) * clusters * CLUSTER * CONSUMERS, stream);
+        if (err != cudaSuccess) return (int)err;
+    }
     const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, p, ep);
     return err == cudaSuccess ? RLK_OK : (int)err;
 }
 
+
+/* Scratch memory for stream-K (launch_gemm_sm90 with p.stream_k and p.partials): a 64 x bn fp32 slot
+ * and a flag per consumer warpgroup of each of up to num_sms CTAs. */
+static inline int64_t stream_k_workspace_bytes(int bn, int consumers, int num_sms) {
+    return (int64_t)num_sms * consumers * (64 * bn + 1) * 4;
+}
 
 /* A 16-bit operand TMA can describe: 16-byte aligned base, row stride a multiple of 16 bytes below 2^40.
  * (The binding presents CUDA operands 16-byte aligned, copying a misaligned view, so in practice only

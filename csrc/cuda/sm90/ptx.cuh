@@ -92,6 +92,20 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 /* Barrier among the 128 threads of one warpgroup (ids 1, 2: one per consumer; 0 is __syncthreads). */
 __device__ __forceinline__ void warpgroup_sync(uint32_t id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
+/* A flag in global memory handing data from one CTA to another: the writer's threads store the data,
+ * meet at a barrier, and one of them publishes with flag_release (the fence orders the whole group's
+ * stores, seen through the barrier, before the flag); the reader's one thread spins in flag_acquire,
+ * then its group meets at a barrier before loading. */
+__device__ __forceinline__ void flag_release(int *flag) {
+    asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%0], 1;" ::"l"(flag) : "memory");
+}
+__device__ __forceinline__ void flag_acquire(const int *flag) {
+    int ready;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+    } while (ready == 0);
+}
+
 __device__ __forceinline__ void st_shared_pair(uint32_t addr, float2 v, float *) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
 }
