@@ -9,8 +9,12 @@
  *   tall:   BM = 128 (2 consumers), BN = 64, 8 stages, clusters of 2 with K-major B (else none): twice
  *           the tiles of medium for shapes whose medium tiles leave SMs idle (M = N = 1024);
  *   small:  BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster;
- *   narrow: BM = 64, BN = 96 / 48 / 32 / 16 (10 / 14 / 16 / 20 stages), K-major B only.
- * M <= 64 (decode) takes the narrowest 64-row config whose tiles still fit in one wave; larger M whichever
+ *   narrow: BM = 64, BN = 96 / 48 / 32 / 16 (10 / 14 / 16 / 20 stages), K-major B only;
+ *   narrow x2: BM = 128 (2 consumers), BN = 96 / 64 / 48 / 32 / 16 (8 / 8 / 10 / 11 / 12 stages), no
+ *           cluster (at M <= 128 the second CTA of a cluster would own only rows past M), K-major B
+ *           except BN = 64.
+ * M <= 128 (decode) takes the narrowest narrow config (x2 above 64 rows) whose tiles still fit in one
+ * wave, the weights streaming through as many SMs as possible; larger M whichever
  * of the first four a measured ns-per-step estimate finds fastest, in waves of whole tiles or stream-K
  * (gemm_kernel.cuh: every SM an equal share of the k-slices, a tile split between two CTAs continuing
  * one accumulator chain through L2; the workspace is planned, ctx->workspace_bytes).
@@ -35,7 +39,8 @@ using GemmTiles = store_tiles<OutT, gemm_value>;
 /* The tile configs. All of them compute every output element with the same k16 wgmma sequence, so the
  * choice among them is a performance choice only (bitwise-equal rows are tested across them). */
 enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_TALL, CONFIG_NARROW96, CONFIG_NARROW48, CONFIG_NARROW32,
-       CONFIG_NARROW16 };
+       CONFIG_NARROW16, CONFIG_NARROW96_X2, CONFIG_NARROW64_X2, CONFIG_NARROW48_X2, CONFIG_NARROW32_X2,
+       CONFIG_NARROW16_X2 };
 static const int config_bm[CONFIG_TALL + 1] = {128, 128, 64, 128};
 static const int config_bn[CONFIG_TALL + 1] = {256, 128, 64, 64};
 static const int config_consumers[CONFIG_TALL + 1] = {2, 2, 1, 2};
@@ -53,21 +58,23 @@ typedef struct gemm_plan {
     bool stream_k;
 } gemm_plan;
 
-/* Up to 64 rows (decode): 64-row tiles (128-row tiles would mostly multiply zero-filled rows). Each tile is
- * one latency-bound chain of K/16 wgmmas, and the weights stream through the SMs that own tiles, so the
+/* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers). Each tile is one
+ * latency-bound chain of K/16 wgmmas, and the weights stream through the SMs that own tiles, so the
  * width whose tiles come closest to filling one wave wins: 16, 32, 48, 64 or 96 columns (all but 64
  * need K-major B: an MN-major B box is 64 columns wide); with more columns than 96 x SMs, 64 (several
  * waves). Otherwise the fewest estimated ns among the first four, each either in waves of whole tiles
  * (the last wave partly empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal
  * share of the k-slices per SM, plus its overhead). */
 static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool may_stream_k, int num_sms) {
-    if (M <= 64) {
+    if (M <= 128) {
         static const int widths[] = {16, 32, 48, 64, 96};
-        static const int configs[] = {CONFIG_NARROW16, CONFIG_NARROW32, CONFIG_NARROW48, CONFIG_SMALL,
-                                      CONFIG_NARROW96};
+        static const int configs[2][5] = {
+            {CONFIG_NARROW16, CONFIG_NARROW32, CONFIG_NARROW48, CONFIG_SMALL, CONFIG_NARROW96},
+            {CONFIG_NARROW16_X2, CONFIG_NARROW32_X2, CONFIG_NARROW48_X2, CONFIG_NARROW64_X2, CONFIG_NARROW96_X2}};
+        const int x2 = M > 64;
         for (int i = 0; i < 5; ++i)
-            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) return {configs[i], false};
-        return {CONFIG_SMALL, false};
+            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) return {configs[x2][i], false};
+        return {configs[x2][3], false};
     }
     const double steps = (double)((K + 63) / 64 * 4);
     gemm_plan best = {CONFIG_LARGE, false};
@@ -96,7 +103,17 @@ static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_
     if (config == CONFIG_TALL)  /* B multicast needs K-major B: half of a 64-wide MN-major box is no box */
         return launch_gemm_sm90<64, 2, 8, B_MN ? 1 : 2, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms,
                                                                                         stream);
+    if (config == CONFIG_NARROW64_X2)
+        return launch_gemm_sm90<64, 2, 8, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
     if constexpr (!B_MN) {
+        if (config == CONFIG_NARROW96_X2)
+            return launch_gemm_sm90<96, 2, 8, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+        if (config == CONFIG_NARROW48_X2)
+            return launch_gemm_sm90<48, 2, 10, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+        if (config == CONFIG_NARROW32_X2)
+            return launch_gemm_sm90<32, 2, 11, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+        if (config == CONFIG_NARROW16_X2)
+            return launch_gemm_sm90<16, 2, 12, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
         if (config == CONFIG_NARROW96)
             return launch_gemm_sm90<96, 1, 10, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
         if (config == CONFIG_NARROW48)

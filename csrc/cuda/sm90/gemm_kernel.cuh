@@ -345,15 +345,16 @@ __device__ __forceinline__ void load_partial(float (&d)[BN / 2], const float *sl
     }
 }
 
-/* two epilogue buffers per consumer for the 2-consumer kernels that store their tiles (store_tile_tma) */
-template <int CONSUMERS, class Epilogue>
+/* two epilogue buffers per consumer for the 2-consumer kernels that store their tiles (store_tile_tma,
+ * which stores rounds of 128 bytes of columns: BN a multiple of 64) */
+template <int BN, int CONSUMERS, class Epilogue>
 __host__ __device__ constexpr int epi_buffers() {
-    return CONSUMERS == 2 && Epilogue::STORES_TILES ? 2 * CONSUMERS : 0;
+    return CONSUMERS == 2 && Epilogue::STORES_TILES && BN % 64 == 0 ? 2 * CONSUMERS : 0;
 }
 
 template <int BN, int CONSUMERS, int STAGES, class Epilogue>
 constexpr int gemm_sm90_smem_bytes() {
-    return STAGES * (64 * CONSUMERS + BN) * BK * 2 + epi_buffers<CONSUMERS, Epilogue>() * EPI_BOX_BYTES + SMEM_ALIGN +
+    return STAGES * (64 * CONSUMERS + BN) * BK * 2 + epi_buffers<BN, CONSUMERS, Epilogue>() * EPI_BOX_BYTES + SMEM_ALIGN +
            2 * STAGES * 8;
 }
 
@@ -444,14 +445,14 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                  const typename Epilogue::Params ep) {
     constexpr int BM = 64 * CONSUMERS;
     constexpr int TILES_PER_UNIT = Epilogue::TILES_PER_UNIT;
-    constexpr bool TMA_EPILOGUE = epi_buffers<CONSUMERS, Epilogue>() > 0;
+    constexpr bool TMA_EPILOGUE = epi_buffers<BN, CONSUMERS, Epilogue>() > 0;
     constexpr uint32_t A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2;
     constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
     extern __shared__ uint8_t smem_raw[];
     const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
     const uint32_t a_smem = smem, b_smem = smem + STAGES * A_STAGE;
     const uint32_t epi_smem = b_smem + STAGES * B_STAGE;  /* 1024-aligned: stage sizes are multiples of 1 KB */
-    const uint32_t full_bar = epi_smem + epi_buffers<CONSUMERS, Epilogue>() * EPI_BOX_BYTES;
+    const uint32_t full_bar = epi_smem + epi_buffers<BN, CONSUMERS, Epilogue>() * EPI_BOX_BYTES;
     const uint32_t empty_bar = full_bar + STAGES * 8;
     const int cta_rank = CLUSTER == 1 ? 0 : (int)cluster_ctarank();
 
@@ -626,7 +627,7 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     }
     /* out as [M rows, N columns] in boxes of 64 rows x 128 bytes (store_tile_tma); else the register path */
     p.tma_store = 0;
-    if (epi_buffers<CONSUMERS, Epilogue>() > 0 && (uintptr_t)args->out % 16 == 0 &&
+    if (epi_buffers<BN, CONSUMERS, Epilogue>() > 0 && (uintptr_t)args->out % 16 == 0 &&
         (args->ldo * (int64_t)sizeof(OutT)) % 16 == 0 && args->ldo * (int64_t)sizeof(OutT) < (1ll << 40)) {
         const CUtensorMapDataType out_type = sizeof(OutT) == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : in_type;
         p.tma_store = make_tensor_map(&map_out, out_type, args->out, args->N, args->M, args->ldo * (int64_t)sizeof(OutT),
