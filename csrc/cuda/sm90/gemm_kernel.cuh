@@ -17,15 +17,15 @@
  * without waiting on global stores.
  *
  * Stream-K (GEMM only, when the caller gives scratch memory): when the work items leave the last wave
- * partly empty, each cluster takes an equal share of all the k-slices instead of whole items: cluster
- * g of G owns slices [g T / G, (g + 1) T / G) of the T = items x k_tiles in work order, that is the tail
- * of one item, whole items, and the head of another (items >= G, so no item spans three clusters). The
- * head's owner runs its slices from zero and stores the fp32 accumulators to a slot of the workspace;
- * the next cluster loads them and continues the same chain through the remaining slices, then runs the
- * epilogue. Each cluster does its head first and its tail last, so the wait for the previous cluster's
- * head is short or none; cluster g waits only on cluster g - 1 of a persistent grid of co-resident
- * clusters. This is the cuBLAS answer to wave quantization without its split-K sums: no element is
- * summed in a different order.
+ * partly empty, the last G + r items (G clusters, 0 < r < G) are shared out as equal ranges of
+ * k-slices instead of whole items (the rounds before them run as usual): cluster g owns slices
+ * [g T / G, (g + 1) T / G) of their T = (G + r) x k_tiles, in work order the tail of one item, whole
+ * items, and the head of another. The head's owner runs its slices from zero and stores the fp32
+ * accumulators to a slot of the workspace; the next cluster loads them and continues the same chain
+ * through the remaining slices, then runs the epilogue. Each cluster does its head first and its tail
+ * last, so the wait for the previous cluster's head is short or none; cluster g waits only on cluster
+ * g - 1 of a persistent grid of co-resident clusters. This is the cuBLAS answer to wave quantization
+ * without its split-K sums: no element is summed in a different order.
  *
  * Batch invariance. Every output element is produced by the same instruction sequence whatever the
  * tile config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
@@ -59,7 +59,9 @@ typedef struct gemm_sm90_params {
     int m_tiles;
     int n_units;                              /* column work units of Epilogue::TILES_PER_UNIT tiles */
     int col_tiles;                            /* column tiles in all */
-    uint32_t a_box_bytes;                     /* bytes one stage's A loads bring (box rows may be < BM) */
+    uint32_t a_box_bytes;                     /* bytes one stage's A loads bring for a full row tile */
+    uint32_t a_tail_box_bytes;                /* ... for the last row tile when M % BM != 0 (map_a_tail) */
+    int a_tail_rows;                          /* that tile's rows, rounded up to 8 (BM: no such tile) */
     const void *c;
     int64_t ldc;
     void *out;
@@ -276,15 +278,20 @@ __device__ __forceinline__ void work_coords(int work, int m_groups, int n_units,
 }
 
 /* The work of one cluster, in the order it runs: a head piece (k-slices [0, head_end) of head_work; none
- * when head_end = 0), whole items first + i * stride (i < count), a tail piece (k-slices
- * [tail_begin, k_tiles) of tail_work; none when tail_begin = 0). Without stream-K only whole items,
- * strided over the clusters. */
+ * when head_end = 0), whole items first + i * stride (i < count), whole items sk_first + i (i <
+ * sk_count), a tail piece (k-slices [tail_begin, k_tiles) of tail_work; none when tail_begin = 0).
+ * Without stream-K only whole items, strided over the clusters (a round of G items at a time, which
+ * keeps the A and B panels that run together close in L2). With stream-K the same rounds come first
+ * but one; the last G + r items (0 < r < G) are shared out as equal ranges of k-slices, contiguous
+ * in work order, so no item spans more than two clusters. (Stream-K over all items made M >= 8942
+ * 1.7x slower: ranges of whole items far apart in work order share nothing in L2.) */
 struct work_plan {
     int head_work, head_end;
     int first, count, stride;
+    int sk_first, sk_count;
     int tail_work, tail_begin;
 
-    __device__ __forceinline__ int pieces() const { return (head_end > 0) + count + (tail_begin > 0); }
+    __device__ __forceinline__ int pieces() const { return (head_end > 0) + count + sk_count + (tail_begin > 0); }
     __device__ __forceinline__ void piece(int i, int k_tiles, int *work, int *k_begin, int *k_end) const {
         if (head_end > 0) {
             if (i == 0) {
@@ -293,29 +300,32 @@ struct work_plan {
             }
             --i;
         }
-        if (i < count) *work = first + i * stride, *k_begin = 0, *k_end = k_tiles;
-        else *work = tail_work, *k_begin = tail_begin, *k_end = k_tiles;
+        *k_begin = 0, *k_end = k_tiles;
+        if (i < count) *work = first + i * stride;
+        else if (i < count + sk_count) *work = sk_first + (i - count);
+        else *work = tail_work, *k_begin = tail_begin;
     }
 };
 
 __device__ __forceinline__ work_plan plan_work(bool stream_k, int num_work, int k_tiles, int cluster, int clusters) {
-    work_plan w = {0, 0, cluster, 0, clusters, 0, 0};
+    work_plan w = {0, 0, cluster, 0, clusters, 0, 0, 0, 0};
     if (!stream_k) {
         w.count = cluster < num_work ? (num_work - cluster + clusters - 1) / clusters : 0;
         return w;
     }
-    const int64_t total = (int64_t)num_work * k_tiles;
+    w.count = num_work / clusters - 1;  /* whole rounds before the shared ones */
+    const int shared_first = w.count * clusters;
+    const int64_t total = (int64_t)(num_work - shared_first) * k_tiles;
     const int64_t begin = total * cluster / clusters, end = total * (cluster + 1) / clusters;
-    w.first = (int)(begin / k_tiles);
+    w.sk_first = shared_first + (int)(begin / k_tiles);
     if (begin % k_tiles) {
-        w.tail_work = w.first++;
+        w.tail_work = w.sk_first++;
         w.tail_begin = (int)(begin % k_tiles);
     }
-    const int last = (int)(end / k_tiles);
+    const int last = shared_first + (int)(end / k_tiles);
     w.head_work = last;
     w.head_end = (int)(end % k_tiles);
-    w.count = last - w.first;
-    w.stride = 1;
+    w.sk_count = last - w.sk_first;
     return w;
 }
 
@@ -440,7 +450,8 @@ __device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_begin, int k_
  * unit's tiles (see "Epilogue policies" above). */
 template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, class Epilogue>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
-gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_a_tail,
+                 const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ CUtensorMap map_out, const gemm_sm90_params p,
                  const typename Epilogue::Params ep) {
     constexpr int BM = 64 * CONSUMERS;
@@ -489,13 +500,21 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                         const int s = it % STAGES;
                         mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
                         const uint32_t bar = full_bar + 8 * s;
-                        mbar_arrive_expect_tx(bar, p.a_box_bytes + B_STAGE);
+                        /* A rows past M are not loaded (the TMA's zero fill of absent rows is slow): the
+                         * last row tile loads its rows rounded up to 8, a cluster's tile past M none; the
+                         * stale shared memory only reaches accumulator rows that are never stored */
+                        const int a_rows = m_blk < p.m_tiles - 1 ? BM : m_blk == p.m_tiles - 1 ? p.a_tail_rows : 0;
+                        mbar_arrive_expect_tx(bar, (a_rows == BM ? p.a_box_bytes : a_rows > 0 ? p.a_tail_box_bytes : 0) +
+                                                       B_STAGE);
                         if constexpr (A_MN) {
+#pragma unroll
                             for (int j = 0; j < BM / 64; ++j)
-                                tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j, kt * BK,
-                                            bar);
-                        } else {
-                            tma_load_2d(a_smem + s * A_STAGE, &map_a, kt * BK, m_blk * BM, bar);
+                                if (64 * j < a_rows)
+                                    tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j,
+                                                kt * BK, bar);
+                        } else if (a_rows > 0) {
+                            tma_load_2d(a_smem + s * A_STAGE, a_rows == BM ? &map_a : &map_a_tail, kt * BK, m_blk * BM,
+                                        bar);
                         }
                         const uint32_t b_dst = b_smem + s * B_STAGE;
                         if constexpr (CLUSTER == 1) {
@@ -609,18 +628,24 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
                             int device, int num_sms, cudaStream_t stream) {
     using OutT = typename Epilogue::OutT;
     constexpr int BM = 64 * CONSUMERS;
-    /* K-major A with a single 64-row tile: load only the rows that exist (rounded up to 8); the rows past
-     * the box keep stale shared memory, which only reaches accumulator rows that are never stored. */
-    const int a_rows = (!A_MN && BM == 64 && args->M < 64) ? (int)((args->M + 7) / 8 * 8) : BM;
-    p.a_box_bytes = A_MN ? BM * BK * 2 : a_rows * BK * 2;
+    /* the last row tile's A loads: its rows rounded up to 8 (K-major: a box of that many rows; MN-major:
+     * the 64-row boxes that hold them) */
+    const int tail = (int)(args->M % BM);
+    p.a_tail_rows = tail == 0 ? BM : (tail + 7) / 8 * 8;
+    p.a_box_bytes = BM * BK * 2;
+    p.a_tail_box_bytes = A_MN ? (p.a_tail_rows + 63) / 64 * 64 * BK * 2 : p.a_tail_rows * BK * 2;
     const CUtensorMapDataType in_type = BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    CUtensorMap map_a, map_b, map_out;
+    CUtensorMap map_a, map_a_tail, map_b, map_out;
     memset(&map_a, 0, sizeof(map_a));
+    memset(&map_a_tail, 0, sizeof(map_a_tail));
     memset(&map_b, 0, sizeof(map_b));
     memset(&map_out, 0, sizeof(map_out));
     if (args->K > 0) {
-        const bool ok_a = A_MN ? make_tensor_map(&map_a, in_type, args->a, args->M, args->K, args->lda * 2, 64, BK)
-                               : make_tensor_map(&map_a, in_type, args->a, args->K, args->M, args->lda * 2, BK, a_rows);
+        const bool ok_a =
+            A_MN ? make_tensor_map(&map_a, in_type, args->a, args->M, args->K, args->lda * 2, 64, BK)
+                 : make_tensor_map(&map_a, in_type, args->a, args->K, args->M, args->lda * 2, BK, BM) &&
+                       (tail == 0 ||
+                        make_tensor_map(&map_a_tail, in_type, args->a, args->K, args->M, args->lda * 2, BK, p.a_tail_rows));
         const bool ok_b = B_MN ? make_tensor_map(&map_b, in_type, args->b, args->N, args->K, args->ldb * 2, 64, BK)
                                : make_tensor_map(&map_b, in_type, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER);
         if (!ok_a || !ok_b) return RLK_UNSUPPORTED;
@@ -681,7 +706,7 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
         const cudaError_t err = cudaMemsetAsync(p.partial_ready, 0, sizeof(int) * clusters * CLUSTER * CONSUMERS, stream);
         if (err != cudaSuccess) return (int)err;
     }
-    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, p, ep);
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_a_tail, map_b, map_out, p, ep);
     return err == cudaSuccess ? RLK_OK : (int)err;
 }
 
