@@ -223,27 +223,36 @@ __device__ __forceinline__ uint64_t mn_major_desc(uint32_t tile, int t) {
 }
 
 /* ------------------------------------ forward ----------------------------------------------- */
+/* ------------------------------------ forward ----------------------------------------------- */
 
-/* One 64-key block of one warpgroup's 64 rows: the contract's block update. q_rows: the warpgroup's
- * 64 Q rows in a tile with boxes Q_BOX bytes apart; k_tile / v_tile: the block's K and V; key0: the
- * absolute position of its first key; row_len: the visible keys of the thread's two rows; masked:
- * some row of the warpgroup cannot see the whole block. Accumulator layout (wgmma): this thread holds
- * of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e in x[4 j + 2 h + e]. */
+/* The wgmmas of one block, issued into the current commit group (the caller fences and commits).
+ * S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero; q_rows:
+ * the warpgroup's 64 Q rows in a tile whose boxes are Q_BOX bytes apart. */
 template <bool BF16, int D, uint32_t Q_BOX>
-__device__ __forceinline__ void attend_block(uint32_t q_rows, uint32_t k_tile, uint32_t v_tile, int lane, int key0,
-                                             const int (&row_len)[2], bool masked, float c, RowPair &st,
-                                             float (&acc)[D / 2]) {
-    constexpr uint32_t KV_BOX = BLOCK_N * 128;
-    /* S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero */
-    float s[BLOCK_N / 2];
-    wgmma_fence();
+__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], uint32_t q_rows, uint32_t k_tile) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_k16<BLOCK_N, BF16, 0, 0>(s, k_major_desc(q_rows, Q_BOX, kk), k_major_desc(k_tile, KV_BOX, kk), kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(s);
+        wgmma_k16<BLOCK_N, BF16, 0, 0>(s, k_major_desc(q_rows, Q_BOX, kk), k_major_desc(k_tile, BLOCK_N * 128, kk),
+                                       kk > 0);
+}
 
+/* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments). */
+template <bool BF16, int D>
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], uint32_t v_tile) {
+#pragma unroll
+    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], mn_major_desc(v_tile, t), 1);
+}
+
+/* The contract's block update between S and P V, for one warpgroup's 64 rows: masks s, updates the
+ * state (m, l), rescales acc by alpha and leaves round(P) as the A fragments of P V. key0: the
+ * absolute position of the block's first key; row_len: the visible keys of the thread's two rows;
+ * masked: some row of the warpgroup cannot see the whole block. Accumulator layout (wgmma): this
+ * thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e in
+ * x[4 j + 2 h + e]. The block's full update is then acc = alpha acc (here) + P V (issue_pv). */
+template <bool BF16, int D>
+__device__ __forceinline__ void softmax_block(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
+                                              bool masked, float c, RowPair &st, float (&acc)[D / 2],
+                                              uint32_t (&pa)[BLOCK_N / 16][4]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (masked) {
@@ -289,23 +298,11 @@ __device__ __forceinline__ void attend_block(uint32_t q_rows, uint32_t k_tile, u
             acc[4 * j + 2 * h + 1] = __fmul_rn(acc[4 * j + 2 * h + 1], alpha);
         }
     }
-
-    /* acc += round(P) V over the block's 4 key k16 steps in order; P's k16 step t is the accumulator
-     * columns 16 t .. 16 t + 15, which is the register A fragment layout */
-    uint32_t pa[BLOCK_N / 16][4];
+    /* P's k16 step t is the accumulator columns 16 t .. 16 t + 15: the register A fragment layout */
 #pragma unroll
     for (int t = 0; t < BLOCK_N / 16; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) pa[t][i] = pack_half2<BF16>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
-#pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t) fence_operands(pa[t]);
-    fence_accumulators(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], mn_major_desc(v_tile, t), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(acc);
 }
 
 struct FwdParams {
@@ -318,33 +315,74 @@ struct FwdParams {
     int64_t rows_total; /* combine: batch * max_q_len * heads_q */
 };
 
-/* Prefill: 2 warpgroups of 64 rows (one CTA per SM at d = 128: the two accumulator sets take ~200
- * registers a thread; two at d = 64). Split: one warpgroup, two CTAs per SM. Shared memory: the Q tile,
- * then STAGES (K, V) block pairs, after TILE_ALIGN bytes of slack to align them. */
+/* Consumer warpgroups of 64 rows (prefill 2, one CTA per SM: the two accumulator sets take ~200
+ * registers a thread; split 1, two CTAs per SM) and one producer warpgroup that streams the K and V
+ * blocks into a ring of STAGES stages. setmaxnreg moves registers from the producer (PRODUCER_REGS)
+ * to the consumers (CONSUMER_REGS) from the even share the launch bounds give (ENTRY_REGS).
+ * Shared memory: the ring's full and empty mbarriers, then from the next TILE_ALIGN boundary the Q
+ * tile, the ring ((K, V) per stage) and (prefill) the row states' o; the barriers live in the
+ * alignment slack (the dynamic shared memory starts 1024-aligned in practice; the kernel traps if it
+ * ever did not leave them room). */
 template <int D, bool SPLIT>
 struct FwdTiles {
     static constexpr int WARPGROUPS = SPLIT ? 1 : 2;
     static constexpr int ROWS = 64 * WARPGROUPS;
-    static constexpr int THREADS = 128 * WARPGROUPS;
-    static constexpr int STAGES = 3;
+    static constexpr int CONSUMER_THREADS = 128 * WARPGROUPS;
+    static constexpr int THREADS = CONSUMER_THREADS + 128;
+    static constexpr int STAGES = SPLIT ? 3 : 4;
     static constexpr int KV_BYTES = BLOCK_N * D * 2; /* one K or V block */
     static constexpr int Q_BYTES = ROWS * D * 2;
-    static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + STAGES * 2 * KV_BYTES;
+    static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;
+    /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
+     * segment ends, so they do not take registers from the pipeline */
+    static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
+    static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
+    static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
     static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
+    static constexpr int ENTRY_REGS = (65536 / (THREADS * MIN_CTAS)) & ~7;
+    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
+    static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
 };
 
 __device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tensor &t, int b, int64_t row, int head) {
     return (const uint16_t *)t.data + b * t.batch_stride + row * t.row_stride + head * t.head_stride;
 }
 
+/* The consumer warpgroups' turn barriers (256 threads: one warpgroup waits, the other arrives). */
+template <int ID>
+__device__ __forceinline__ void named_barrier_arrive() {
+    asm volatile("bar.arrive %0, 256;" ::"n"(ID) : "memory");
+}
+template <int ID>
+__device__ __forceinline__ void named_barrier_sync() {
+    asm volatile("bar.sync %0, 256;" ::"n"(ID) : "memory");
+}
+
+/* Pipeline, per CTA (blocks: the CTA's 64-key blocks, relative index j):
+ *   producer warp: for each j, waits until stage j % STAGES is free (empty barrier: every consumer
+ *     warp has released the block that used it before), copies K and V of block j into it with
+ *     cp.async (rows past k_len zero-filled, not read), and once they have landed (cp.async.wait_group,
+ *     then fence.proxy.async so the tensor cores see them) arrives on the stage's full barrier.
+ *   consumer warpgroup: turns t = 0 .. blocks; turn t waits for block t to be full, then issues one
+ *     commit group of wgmmas: P V of block t - 1 (its V) and S of block t (its K), waits for it,
+ *     releases block t - 1, merges a finished segment into the row state, and runs the softmax of
+ *     block t (whose alpha rescales acc after block t - 1's P V has landed, as the contract's order
+ *     acc = alpha acc + P V wants). A warpgroup whose rows cannot see block t (nb <= t) issues
+ *     nothing for it but still waits and releases, so the barriers' phases stay in step.
+ *   two warpgroups take turns on the tensor cores (named barriers 1 and 2: warpgroup 0 issues first,
+ *     each issues after the other's previous turn), so one's softmax runs under the other's wgmmas. */
 template <bool BF16, int D, bool SPLIT>
 __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT>::MIN_CTAS)
     attention_fwd_kernel(const FwdParams p) {
     using Tiles = FwdTiles<D, SPLIT>;
-    constexpr int ROWS = Tiles::ROWS, THREADS = Tiles::THREADS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
+    constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
+    constexpr int WARPGROUPS = Tiles::WARPGROUPS;
     extern __shared__ unsigned char smem_raw[];
-    const uint32_t q_tile = (smem_u32(smem_raw) + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
+    const uint32_t full_bar = smem_u32(smem_raw), empty_bar = full_bar + 8 * STAGES;
+    const uint32_t q_tile = (full_bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
+    if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
     const int b = blockIdx.z;
@@ -380,125 +418,235 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         block_end = min(block_end, block_begin + BLOCKS_PER_SEGMENT);
     }
     const int blocks = block_end - block_begin;
-    const int wg_row0 = wg * 64;
-    const bool wg_has_rows = wg_row0 < rows_in;
-    const int wg_max_len = wg_has_rows ? len_of(min(wg_row0 + 63, rows_in - 1)) : 0;
-    const int wg_min_len = wg_has_rows ? len_of(wg_row0) : 0;
-    const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
-    int row_len[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = thread_row0 + 8 * h;
-        row_len[h] = r < rows_in ? len_of(r) : 0;
-    }
-
     const int64_t q_row0 = range.q_start, k_row0 = range.k_start;
-    load_rows_async<D, ROWS, THREADS>(
-        q_tile,
-        [&](int r) -> const uint16_t * {
-            return r < rows_in ? row_address(p.q, b, q_row0 + query_of(r), head_of(r)) : nullptr;
-        },
-        p.q.data, tid);
-    cp_async_commit();
-    /* K and V of relative block j go to stage j % STAGES, loaded once each in increasing j, so this
-     * thread's source rows are two running pointers; K and V rows past k_len are zeros (p = 0 there,
-     * and 0 * (stale NaN) would poison acc) */
-    const int64_t thread_row = k_row0 + block_begin * BLOCK_N + tid / (D / 8), thread_col = 8 * (tid % (D / 8));
-    const uint16_t *k_src = row_address(p.k, b, thread_row, kv_head) + thread_col;
-    const uint16_t *v_src = row_address(p.v, b, thread_row, kv_head) + thread_col;
-    auto load_block = [&](int j) { /* one commit group per block, empty past the last */
-        if (j < blocks) {
-            const uint32_t dst = kv_ring + (j % STAGES) * 2 * KV_BYTES;
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 128);             /* the producer warpgroup's threads */
+            mbar_init(empty_bar + 8 * s, 4 * WARPGROUPS); /* lane 0 of every consumer warp */
+        }
+    }
+    if (tid < Tiles::CONSUMER_THREADS) {
+        load_rows_async<D, ROWS, Tiles::CONSUMER_THREADS>(
+            q_tile,
+            [&](int r) -> const uint16_t * {
+                return r < rows_in ? row_address(p.q, b, q_row0 + query_of(r), head_of(r)) : nullptr;
+            },
+            p.q.data, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async_smem(); /* this thread's copies, visible to the tensor cores' reads */
+    }
+    __syncthreads(); /* the Q tile and the initialized barriers */
+
+    if (wg == WARPGROUPS) {
+        /* producer warpgroup: K and V of relative block j into stage j % STAGES; this thread's source
+         * rows are two running pointers; rows past k_len are zeros (p = 0 there, and 0 * (stale NaN)
+         * would poison acc) */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
+        const int ptid = tid - Tiles::CONSUMER_THREADS;
+        const int64_t thread_row = k_row0 + block_begin * BLOCK_N + ptid / (D / 8), thread_col = 8 * (ptid % (D / 8));
+        const uint16_t *k_src = row_address(p.k, b, thread_row, kv_head) + thread_col;
+        const uint16_t *v_src = row_address(p.v, b, thread_row, kv_head) + thread_col;
+        for (int j = 0; j < blocks; ++j) {
+            const int s = j % STAGES;
+            mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
+            const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
             const int keys_in = k_len - (block_begin + j) * BLOCK_N;
-            load_thread_rows_async<D, BLOCK_N, THREADS>(dst, k_src, p.k.row_stride, keys_in, p.k.data, tid);
-            load_thread_rows_async<D, BLOCK_N, THREADS>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, tid);
+            load_thread_rows_async<D, BLOCK_N, 128>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
+            load_thread_rows_async<D, BLOCK_N, 128>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
+            cp_async_commit();
             k_src += BLOCK_N * p.k.row_stride;
             v_src += BLOCK_N * p.v.row_stride;
-        }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) load_block(j);
-
-    RowPair seg;
-    set_empty(seg);
-    float acc[D / 2];
-    RowPair row; /* prefill: the row state the segments merge into */
-    set_empty(row);
-    float o[SPLIT ? 1 : D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
-    if constexpr (!SPLIT) {
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-    }
-    const uint32_t q_rows = q_tile + wg_row0 * 128;
-
-    for (int it = 0; it < blocks; ++it) {
-        cp_async_wait<STAGES - 2>(); /* block it (and the Q tile) has landed */
-        fence_proxy_async_smem();    /* this thread's copies, visible to the tensor cores' reads */
-        __syncthreads();             /* everyone's; and every warpgroup is done with the stage refilled below */
-        load_block(it + STAGES - 1);
-
-        const int n = block_begin + it, key0 = n * BLOCK_N;
-        if (key0 < wg_max_len) {
-            const uint32_t k_tile = kv_ring + (it % STAGES) * 2 * KV_BYTES;
-            attend_block<BF16, D, ROWS * 128>(q_rows, k_tile, k_tile + KV_BYTES, lane, key0, row_len,
-                                              key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, acc);
-        }
-        if constexpr (!SPLIT) {
-            if (((n + 1) % BLOCKS_PER_SEGMENT == 0 || it + 1 == blocks) &&
-                (n / BLOCKS_PER_SEGMENT) * SEGMENT < wg_max_len) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float o_row[D / 4], acc_row[D / 4];
-#pragma unroll
-                    for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            o_row[2 * j + e] = o[4 * j + 2 * h + e];
-                            acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
-                        }
-                    merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
-#pragma unroll
-                    for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            o[4 * j + 2 * h + e] = o_row[2 * j + e];
-                            acc[4 * j + 2 * h + e] = 0.0f;
-                        }
-                }
-                set_empty(seg);
+            if (j > 0) { /* block j - 1 has landed */
+                cp_async_wait<1>();
+                fence_proxy_async_smem();
+                mbar_arrive(full_bar + 8 * ((j - 1) % STAGES));
             }
         }
-    }
-    cp_async_wait<0>();
+        if (blocks > 0) {
+            cp_async_wait<0>();
+            fence_proxy_async_smem();
+            mbar_arrive(full_bar + 8 * ((blocks - 1) % STAGES));
+        }
+    } else {
+        /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of the tile */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
+        const int wg_row0 = wg * 64;
+        const bool wg_has_rows = wg_row0 < rows_in;
+        const int wg_max_len = wg_has_rows ? len_of(min(wg_row0 + 63, rows_in - 1)) : 0;
+        const int wg_min_len = wg_has_rows ? len_of(wg_row0) : 0;
+        /* the blocks it attends: those with a key its last row sees, a prefix of the CTA's blocks */
+        const int nb = min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - block_begin));
+        const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
+        int row_len[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = thread_row0 + 8 * h;
+            row_len[h] = r < rows_in ? len_of(r) : 0;
+        }
 
-    const int col = 2 * (lane & 3);
+        RowPair seg;
+        set_empty(seg);
+        float acc[D / 2];
+        RowPair row; /* prefill: the row state the segments merge into; its o[i] at o_state[i * CONSUMER_THREADS] */
+        set_empty(row);
+        float *o_state = (float *)(smem_raw + (kv_ring + Tiles::RING_BYTES - full_bar)) + tid;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = thread_row0 + 8 * h;
-        if (r >= rows_in) continue;
-        const int i = query_of(r), head = head_of(r);
-        if constexpr (SPLIT) {
-            float *rec = p.partials +
-                         ((((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + segment) * (D + 4);
-            if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
+        for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+        if constexpr (!SPLIT) {
 #pragma unroll
-            for (int j = 0; j < D / 8; ++j)
-                *(float2 *)(rec + 4 + j * 8 + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        } else {
-            float o_row[D / 4], y[D / 4], lse;
+            for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
+        }
+        const uint32_t q_rows = q_tile + wg_row0 * 128;
+        float s[BLOCK_N / 2];
+        uint32_t pa[BLOCK_N / 16][4];
 #pragma unroll
-            for (int j = 0; j < D / 8; ++j)
+        for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) o_row[2 * j + e] = o[4 * j + 2 * h + e];
-            finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
-            uint16_t *dst = (uint16_t *)row_address(p.out, b, q_row0 + i, head) + col;
+        for (int t = 0; t < BLOCK_N / 16; ++t)
 #pragma unroll
-            for (int j = 0; j < D / 8; ++j) *(uint32_t *)(dst + j * 8) = pack_half2<BF16>(y[2 * j], y[2 * j + 1]);
-            if ((lane & 3) == 0 && p.lse.data)
-                ((float *)p.lse.data)[b * p.lse.batch_stride + (q_row0 + i) * p.lse.row_stride + head * p.lse.head_stride] = lse;
+            for (int i = 0; i < 4; ++i) pa[t][i] = 0u;
+
+        /* turn t: wait for block t (t < blocks), wait for this warpgroup's turn on the tensor cores,
+         * issue, pass the turn on, wait for the wgmmas, release block t - 1 */
+        auto wait_full = [&](int t) {
+            if (t < blocks) mbar_wait(full_bar + 8 * (t % STAGES), (t / STAGES) & 1);
+        };
+        auto turn_begin = [&]() {
+            if constexpr (WARPGROUPS == 2) {
+                if (wg == 0) named_barrier_sync<1>();
+                else named_barrier_sync<2>();
+            }
+        };
+        auto turn_end = [&](int t) { /* warpgroup 1's last arrival would have no taker */
+            if constexpr (WARPGROUPS == 2) {
+                if (wg == 0) named_barrier_arrive<2>();
+                else if (t < blocks) named_barrier_arrive<1>();
+            }
+        };
+        auto release = [&](int t) {
+            if (t >= 1 && lane == 0) mbar_arrive(empty_bar + 8 * ((t - 1) % STAGES));
+        };
+        auto k_tile = [&](int t) { return kv_ring + (t % STAGES) * 2 * KV_BYTES; };
+        auto v_tile = [&](int t) { return kv_ring + (t % STAGES) * 2 * KV_BYTES + KV_BYTES; };
+        auto fence_registers = [&]() {
+            fence_accumulators(acc);
+            fence_accumulators(s);
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
+        };
+        auto softmax = [&](int t) {
+            const int key0 = (block_begin + t) * BLOCK_N;
+            softmax_block<BF16, D>(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, acc, pa);
+        };
+        /* after block t's P V: merge the segment state into the row state if block t ends a segment or
+         * is the warpgroup's last */
+        auto segment_end = [&](int t) {
+            if constexpr (!SPLIT) {
+                if ((block_begin + t + 1) % BLOCKS_PER_SEGMENT == 0 || t == nb - 1) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float o_row[D / 4], acc_row[D / 4];
+#pragma unroll
+                        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                                acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
+                            }
+                        merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
+#pragma unroll
+                        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS] = o_row[2 * j + e];
+                                acc[4 * j + 2 * h + e] = 0.0f;
+                            }
+                    }
+                    set_empty(seg);
+                }
+            }
+        };
+
+        if (WARPGROUPS == 2 && wg == 1) named_barrier_arrive<1>(); /* warpgroup 0 takes the first turn */
+        int t = 0;
+        if (nb > 0) {
+            /* turn 0: S of block 0 */
+            wait_full(0);
+            turn_begin();
+            fence_registers();
+            wgmma_fence();
+            issue_scores<BF16, D, ROWS * 128>(s, q_rows, k_tile(0));
+            wgmma_commit();
+            turn_end(0);
+            wgmma_wait<0>();
+            fence_registers();
+            softmax(0);
+            /* turn t: P V of block t - 1, S of block t */
+            for (t = 1; t < nb; ++t) {
+                wait_full(t);
+                turn_begin();
+                fence_registers();
+                wgmma_fence();
+                issue_pv<BF16, D>(acc, pa, v_tile(t - 1));
+                issue_scores<BF16, D, ROWS * 128>(s, q_rows, k_tile(t));
+                wgmma_commit();
+                turn_end(t);
+                wgmma_wait<0>();
+                fence_registers();
+                release(t);
+                segment_end(t - 1);
+                softmax(t);
+            }
+            /* turn nb: P V of the last block */
+            wait_full(nb);
+            turn_begin();
+            fence_registers();
+            wgmma_fence();
+            issue_pv<BF16, D>(acc, pa, v_tile(nb - 1));
+            wgmma_commit();
+            turn_end(nb);
+            wgmma_wait<0>();
+            fence_registers();
+            release(nb);
+            segment_end(nb - 1);
+            t = nb + 1;
+        }
+        /* the blocks its rows cannot see: keep the barriers' phases and the turns in step */
+        for (; t <= blocks; ++t) {
+            wait_full(t);
+            turn_begin();
+            turn_end(t);
+            release(t);
+        }
+
+        const int col = 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = thread_row0 + 8 * h;
+            if (r >= rows_in) continue;
+            const int i = query_of(r), head = head_of(r);
+            if constexpr (SPLIT) {
+                float *rec = p.partials +
+                             ((((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + segment) * (D + 4);
+                if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j)
+                    *(float2 *)(rec + 4 + j * 8 + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            } else {
+                float o_row[D / 4], y[D / 4], lse;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
+                uint16_t *dst = (uint16_t *)row_address(p.out, b, q_row0 + i, head) + col;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j) *(uint32_t *)(dst + j * 8) = pack_half2<BF16>(y[2 * j], y[2 * j + 1]);
+                if ((lane & 3) == 0 && p.lse.data)
+                    ((float *)p.lse.data)[b * p.lse.batch_stride + (q_row0 + i) * p.lse.row_stride + head * p.lse.head_stride] = lse;
+            }
         }
     }
 }
