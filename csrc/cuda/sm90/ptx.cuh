@@ -137,4 +137,11 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+/* The same for 32-bit operand registers (wgmma A fragments held in registers). */
+template <int R>
+__device__ __forceinline__ void fence_operands(uint32_t (&a)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
 #endif /* RLK_CUDA_SM90_PTX_CUH_ */

@@ -1,0 +1,819 @@
+/* sm90/attention.cu: prefill/decode-invariant attention forward on the Hopper tensor cores (wgmma,
+ * sm_90a). The contract is csrc/ops/attention.h; the backward runs on the sm80 kernels (the sm90
+ * backend falls back to sm80 for the entries it lacks).
+ *
+ * Forward. Per query row: keys cut into segments of 512 at absolute positions 0, 512, ..., each cut
+ * into blocks of 64; a segment's softmax state (m, l, acc) is built block by block from empty, and
+ * the segments' states are merged in increasing order into the row state, which is normalized at the
+ * end. Two schedules run that same arithmetic:
+ *   attention_fwd_kernel<SPLIT = false> (prefill, training, chunked prefill): a CTA owns 128 query
+ *     rows of one (sequence, head): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a
+ *     producer warpgroup (setmaxnreg: 40 registers, consumers 232) that streams K and V blocks of 64
+ *     keys with cp.async into a 4-stage ring completing on mbarriers (full: the producer's copies have
+ *     landed and were fenced for the tensor cores; empty: every consumer warp is done with the stage).
+ *     Every tile is stored in the wgmma 128-byte swizzle (boxes of rows x 64 elements, 16-byte chunk c
+ *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n64k16 over
+ *     head_dim, Q and K from shared memory, K-major), the online-softmax update in registers, then
+ *     acc = alpha acc + P V (wgmma m64n{d}k16 with P rounded to the dtype as the register A operand
+ *     and V as an MN-major B operand). A consumer issues P V of block t - 1 and S of block t as one
+ *     wgmma group, then runs block t's softmax; the two consumers take turns on the tensor cores (named
+ *     barriers) so that one's softmax can run under the other's wgmmas. At each segment end the
+ *     warpgroup merges the segment state into the row state (its o kept in shared memory, touched only
+ *     there) and restarts the segment from empty; after its last block it normalizes and writes out
+ *     and lse. A warpgroup skips the blocks none of its rows can see (the causal diagonal) but still
+ *     waits for and releases them; the heaviest causal tiles start first.
+ *   attention_fwd_kernel<SPLIT = true> + attention_combine_kernel (split-KV decode): a CTA of one
+ *     consumer warpgroup and the producer owns one (sequence, kv head, segment) and 64 rows made of
+ *     the group's G query heads of consecutive queries (row = query * G + head in group), so one K/V
+ *     read serves the whole group, two CTAs per SM (3-stage ring). It writes the segment state of each
+ *     row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel merges each row's segments
+ *     in increasing order and normalizes (head_dim / 4 threads per row, 4 columns each).
+ *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
+ *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
+ * Shared memory (d = 128 / 64): prefill Q tile 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
+ * 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB; + 1 KB in which the
+ * mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no spills): prefill 168
+ * at entry (consumers then 232, they need <= 168; producer 40), split 128 (consumer 216), combine 31.
+ * Measured (H100, bf16, d = 128, causal, GQA 32/8, 16k tokens per batch, tmp script with the bench's
+ * interleaved timing): prefill forward 228 / 345 / 370 TFLOP/s at T = 1k / 4k / 16k (sm80 kernels
+ * 193 / 247 / 246, SDPA flash 271 / 331 / 329, cuDNN 471 / 598 / 651); decode over an 8k cache
+ * 38 us at B = 1, 2.5 TB/s at B = 16, 2.86 TB/s at B = 64 (as the sm80 split kernel: memory bound).
+ * What limits the prefill: S = Q K^T as m64n64k16 with both operands from shared memory reads 4 KB
+ * of operands per 131 kFLOP (about the shared-memory bandwidth at tensor-core rate), the 64-key
+ * blocks of the contract halve the wgmma N of S and double the softmax bookkeeping per FLOP against
+ * FlashAttention-3's 128-key blocks, and every wgmma group is waited for before its softmax.
+ *
+ * Why the two schedules give the same bits for a row:
+ *   - the block update (softmax_block, then issue_pv), the segment merge (merge_segment) and the
+ *     normalization (finalize_row) are each one function, every product and sum in them an explicitly
+ *     rounded intrinsic (no contraction choice left to the compiler), exp2 is ex2.approx.ftz;
+ *   - a row's S and P V are wgmma m64 chains in one fixed order (S: the head_dim k16 steps from
+ *     zero, N = 64; P V: the block's 4 key k16 steps onto the rescaled acc, N = head_dim) in both
+ *     schedules; a wgmma row depends only on its own A row, so the rows packed beside it (other
+ *     queries, other heads, padding, the other warpgroup) do not matter; the row max/sum combine only
+ *     the row's own values (the thread's columns in increasing order, then quad shuffles xor 1, xor 2);
+ *   - block and segment boundaries are absolute key positions; which blocks a warpgroup visits depends
+ *     on the other rows of its tile, but a block a row cannot see is an exact no-op for it (s = -inf,
+ *     p = 0, alpha = 1 selected, l + 0, acc * 1 + 0 * v with V zero-filled past k_len: cp.async with
+ *     0 source bytes, so stale NaN in a cache is never read) and a segment it cannot see is skipped by
+ *     the merge (m = -inf).
+ * The row's bits therefore depend only on its own q, the keys/values it sees, head_dim and dtype: not
+ * on batch size, packing, padding, q_len (full vs chunked prefill vs decode) or schedule. They differ
+ * from the sm80 kernels' bits (other MMA instructions).
+ *
+ * Layout requirements (else RLK_UNSUPPORTED, the sm80 fallback then runs): the sm80 kernels' exactly
+ * (bf16/fp16, head_dim 64 or 128, heads_q a multiple of heads_kv, 16-byte aligned data pointers and
+ * batch/row/head strides multiples of 8 elements, lse any fp32 strides), so whether the fallback runs
+ * depends on dtype and head_dim only. Every kernel checks its sequence's ranges (0 <= len <= max_len,
+ * 0 <= start, start + len <= rows) and skips a sequence that breaks them, raising *bad_index.
+ *
+ * Build (object, ptxas report; the wgmma header is generated):
+ *   python3 csrc/cuda/sm90/wgmma_gen.py build/gen && nvcc -c csrc/cuda/sm90/attention.cu -o /tmp/a90.o \
+ *     -O3 -std=c++17 -lineinfo -Xcompiler -fPIC --expt-relaxed-constexpr -Xptxas -v -Icsrc -Ibuild/gen \
+ *     -gencode arch=compute_90a,code=sm_90a
+ * Test (GPU): python3 -m pytest tests/test_gpu_attention.py -m gpu -k sm90 (accuracy vs fp64, bitwise
+ *   prefill == chunked prefill == decode, packing / padding, stale NaN); benchmarks/bench_attention.py.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "../../ops/attention.h"
+#include "ptx.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+constexpr int BLOCK_N = RLK_ATTENTION_BLOCK_N;
+constexpr int SEGMENT = RLK_ATTENTION_SEGMENT;
+constexpr int BLOCKS_PER_SEGMENT = SEGMENT / BLOCK_N;
+static_assert(BLOCK_N == 64, "the kernels' key tiles are 64 keys (wgmma n64 for S, 4 k16 steps of P V)");
+static_assert(SEGMENT % BLOCK_N == 0, "a segment is whole blocks");
+
+constexpr float LN2 = 0.6931471805599453f;
+constexpr int SPLIT_ROWS = 64; /* rows of a split-schedule CTA: (query, head in group) pairs */
+constexpr int TILE_ALIGN = 1024; /* 128-byte swizzle atoms: 8 rows x 128 bytes */
+
+/* ------------------------------------ shared arithmetic ------------------------------------- */
+
+__device__ __forceinline__ float log2_approx(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* Keys 0 .. L-1 of its sequence that query i sees (bottom-right causal alignment). */
+__device__ __forceinline__ int visible_keys(int i, int q_len, int k_len, int causal) {
+    if (!causal) return k_len;
+    return min(max(k_len - q_len + i + 1, 0), k_len);
+}
+
+/* The per-sequence ranges (device arrays) and the bounds the contract holds them to. */
+struct Sequences {
+    const int32_t *q_start, *q_len, *k_start, *k_len;
+    int64_t max_q_len, max_k_len, q_rows, k_rows;
+    int32_t *bad_index; /* host-mapped; may be null */
+};
+
+struct SequenceRange {
+    int64_t q_start, k_start;
+    int q_len, k_len;
+};
+
+/* Sequence b's ranges. One that breaks the contract (negative, longer than max_q_len / max_k_len,
+ * past the storage rows) is skipped: false, and the host-mapped flag raised for the caller. */
+__device__ __forceinline__ bool load_sequence(const Sequences &s, int b, SequenceRange &r) {
+    r.q_start = s.q_start[b];
+    r.k_start = s.k_start[b];
+    r.q_len = s.q_len[b];
+    r.k_len = s.k_len[b];
+    const bool ok = r.q_len >= 0 && r.q_len <= s.max_q_len && r.q_start >= 0 && r.q_start + r.q_len <= s.q_rows &&
+                    r.k_len >= 0 && r.k_len <= s.max_k_len && r.k_start >= 0 && r.k_start + r.k_len <= s.k_rows;
+    if (!ok && s.bad_index) *(volatile int32_t *)s.bad_index = 1;
+    return ok;
+}
+
+/* The contract's scaled(m) = round(m * c), 0 while m = -inf. States keep m only and recompute its
+ * scaled value where it is needed (same bits, fewer live registers). */
+__device__ __forceinline__ float scaled(float m, float c) { return m == -INFINITY ? 0.0f : __fmul_rn(m, c); }
+
+/* The softmax state of a thread's two rows of a warpgroup's m64 tile (rows 16 w + lane / 4 and
+ * + 8 of warp w of the warpgroup): running max m and running sum l. */
+struct RowPair {
+    float m[2], l[2];
+};
+
+__device__ __forceinline__ void set_empty(RowPair &st) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        st.m[h] = -INFINITY;
+        st.l[h] = 0.0f;
+    }
+}
+
+/* Merges a segment state (m_g, l_g, acc_g) into a row state (m, l, o), N columns of the row: the
+ * prefill kernel and the combine kernel both call this, so the merge is the same rounded sequence
+ * in both schedules. A segment the row cannot see (m_g = -inf) leaves it untouched. */
+template <int N>
+__device__ __forceinline__ void merge_segment(float &m, float &l, float (&o)[N], float m_g, float l_g,
+                                              const float (&acc_g)[N], float c) {
+    if (m_g == -INFINITY) return;
+    const float m_new = fmaxf(m, m_g);
+    const float ms_new = scaled(m_new, c);
+    const float a = m == -INFINITY ? 0.0f : (m_new == m ? 1.0f : exp2_approx(__fsub_rn(scaled(m, c), ms_new)));
+    const float b = m_g == m_new ? 1.0f : exp2_approx(__fsub_rn(scaled(m_g, c), ms_new));
+    l = __fmaf_rn(a, l, __fmul_rn(b, l_g));
+#pragma unroll
+    for (int k = 0; k < N; ++k) o[k] = __fmaf_rn(a, o[k], __fmul_rn(b, acc_g[k]));
+    m = m_new;
+}
+
+/* out = o * (1 / l) and lse = (scaled(m) + log2 l) ln 2; a row that saw no key: out = 0, lse = -inf.
+ * Both schedules normalize with this. */
+template <int N>
+__device__ __forceinline__ void finalize_row(float m, float l, const float (&o)[N], float (&y)[N], float &lse, float c) {
+    const bool empty = l == 0.0f;
+    const float inv = empty ? 0.0f : __frcp_rn(l);
+#pragma unroll
+    for (int k = 0; k < N; ++k) y[k] = __fmul_rn(o[k], inv);
+    lse = empty ? -INFINITY : __fmul_rn(__fadd_rn(scaled(m, c), log2_approx(l)), LN2);
+}
+
+/* ------------------------------------ shared-memory tiles ----------------------------------- */
+
+/* A ROWS x D tile of 16-bit elements is D / 64 boxes of ROWS rows x 128 bytes, one after the other
+ * (box j holds columns 64 j .. 64 j + 63), in the wgmma 128-byte swizzle: 16-byte chunk c of a row
+ * (c < D / 8) sits in box c / 8 at chunk (c % 8) ^ (row % 8). Tiles start 1024-aligned. */
+template <int ROWS>
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
+    return (uint32_t)((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+/* ROWS x D tile from global memory: row r from row_ptr(r), or zeros where row_ptr(r) is null (that
+ * memory is not read: cp.async with 0 source bytes; `fallback` is any valid address). */
+template <int D, int ROWS, int THREADS, class RowPtr>
+__device__ __forceinline__ void load_rows_async(uint32_t smem, RowPtr row_ptr, const void *fallback, int tid) {
+    constexpr int CHUNKS_PER_ROW = D / 8;
+    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
+    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const int r = r0 + i * ROW_STEP;
+        const uint16_t *src = row_ptr(r);
+        cp_async_16(smem + swizzled<ROWS>(r, c), src ? (const void *)(src + 8 * c) : fallback, src ? 16 : 0);
+    }
+}
+
+/* The rows of a ROWS x D tile this thread copies (r0 + i ROW_STEP, 16-byte chunk c) from a stream of
+ * tiles: src points at this thread's chunk of the tile's row r0; rows >= rows_in are zero-filled and
+ * not read (`fallback`: any valid address). */
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_thread_rows_async(uint32_t smem, const uint16_t *src, int64_t row_stride,
+                                                       int rows_in, const void *fallback, int tid) {
+    constexpr int CHUNKS_PER_ROW = D / 8;
+    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
+    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const bool live = r0 + i * ROW_STEP < rows_in;
+        cp_async_16(smem + swizzled<ROWS>(r0 + i * ROW_STEP, c),
+                    live ? (const void *)(src + i * ROW_STEP * row_stride) : fallback, live ? 16 : 0);
+    }
+}
+
+/* wgmma descriptors into these tiles.
+ * K-major operand (Q as A, K as B of S = Q K^T): 64-row slab at `rows` of a tile whose boxes are
+ * box_bytes apart, k16 step kk of head_dim = box kk / 4, 32 bytes per k16 inside the 128-byte row;
+ * 8-row groups 1024 bytes apart.
+ * MN-major operand (V as B of P V: k = keys, n = head_dim): k16 step t = tile rows 16 t .. 16 t + 15,
+ * 64-column boxes BLOCK_N * 128 bytes apart, 8-key groups 1024 bytes apart. */
+__device__ __forceinline__ uint64_t k_major_desc(uint32_t rows, uint32_t box_bytes, int kk) {
+    return smem_desc(rows + (kk >> 2) * box_bytes + (kk & 3) * 32, 16, 1024);
+}
+
+__device__ __forceinline__ uint64_t mn_major_desc(uint32_t tile, int t) {
+    return smem_desc(tile + t * 16 * 128, BLOCK_N * 128, 1024);
+}
+
+/* ------------------------------------ forward ----------------------------------------------- */
+/* ------------------------------------ forward ----------------------------------------------- */
+
+/* The wgmmas of one block, issued into the current commit group (the caller fences and commits).
+ * S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero; q_rows:
+ * the warpgroup's 64 Q rows in a tile whose boxes are Q_BOX bytes apart. */
+template <bool BF16, int D, uint32_t Q_BOX>
+__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], uint32_t q_rows, uint32_t k_tile) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_k16<BLOCK_N, BF16, 0, 0>(s, k_major_desc(q_rows, Q_BOX, kk), k_major_desc(k_tile, BLOCK_N * 128, kk),
+                                       kk > 0);
+}
+
+/* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments). */
+template <bool BF16, int D>
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], uint32_t v_tile) {
+#pragma unroll
+    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], mn_major_desc(v_tile, t), 1);
+}
+
+/* The contract's block update between S and P V, for one warpgroup's 64 rows: masks s, updates the
+ * state (m, l), rescales acc by alpha and leaves round(P) as the A fragments of P V. key0: the
+ * absolute position of the block's first key; row_len: the visible keys of the thread's two rows;
+ * masked: some row of the warpgroup cannot see the whole block. Accumulator layout (wgmma): this
+ * thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e in
+ * x[4 j + 2 h + e]. The block's full update is then acc = alpha acc (here) + P V (issue_pv). */
+template <bool BF16, int D>
+__device__ __forceinline__ void softmax_block(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
+                                              bool masked, float c, RowPair &st, float (&acc)[D / 2],
+                                              uint32_t (&pa)[BLOCK_N / 16][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (masked) {
+            const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns 8 j + e below are keys < L */
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (j * 8 + e >= visible) s[4 * j + 2 * h + e] = -INFINITY;
+        }
+        /* maximum of the thread's 16 scores of the row (exact in any order: a balanced tree) */
+        float mt[BLOCK_N / 8];
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) mt[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+#pragma unroll
+        for (int w = BLOCK_N / 16; w >= 1; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
+        float mx = mt[0];
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_old = st.m[h];
+        const float m_new = fmaxf(m_old, mx);
+        const float ms_new = scaled(m_new, c);
+        const float alpha = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(scaled(m_old, c), ms_new)));
+        /* row sum of the fp32 p: this thread's columns in increasing order, then the quad */
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = exp2_approx(__fmaf_rn(s[4 * j + 2 * h + e], c, -ms_new));
+                s[4 * j + 2 * h + e] = p;
+                sum = __fadd_rn(sum, p);
+            }
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+        st.l[h] = __fmaf_rn(alpha, st.l[h], sum);
+        st.m[h] = m_new;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            acc[4 * j + 2 * h] = __fmul_rn(acc[4 * j + 2 * h], alpha);
+            acc[4 * j + 2 * h + 1] = __fmul_rn(acc[4 * j + 2 * h + 1], alpha);
+        }
+    }
+    /* P's k16 step t is the accumulator columns 16 t .. 16 t + 15: the register A fragment layout */
+#pragma unroll
+    for (int t = 0; t < BLOCK_N / 16; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pa[t][i] = pack_half2<BF16>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
+}
+
+struct FwdParams {
+    rlk_attention_tensor q, k, v, out, lse;
+    Sequences seq;
+    int heads_q, heads_kv, group, causal;
+    float scale_log2; /* c = softmax_scale * log2(e) */
+    float *partials;  /* split: [batch][max_q_len][heads_q][num_segments] records {m, l, 0, 0, acc[D]} */
+    int num_segments;
+    int64_t rows_total; /* combine: batch * max_q_len * heads_q */
+};
+
+/* Consumer warpgroups of 64 rows (prefill 2, one CTA per SM: the two accumulator sets take ~200
+ * registers a thread; split 1, two CTAs per SM) and one producer warpgroup that streams the K and V
+ * blocks into a ring of STAGES stages. setmaxnreg moves registers from the producer (PRODUCER_REGS)
+ * to the consumers (CONSUMER_REGS) from the even share the launch bounds give (ENTRY_REGS).
+ * Shared memory: the ring's full and empty mbarriers, then from the next TILE_ALIGN boundary the Q
+ * tile, the ring ((K, V) per stage) and (prefill) the row states' o; the barriers live in the
+ * alignment slack (the dynamic shared memory starts 1024-aligned in practice; the kernel traps if it
+ * ever did not leave them room). */
+template <int D, bool SPLIT>
+struct FwdTiles {
+    static constexpr int WARPGROUPS = SPLIT ? 1 : 2;
+    static constexpr int ROWS = 64 * WARPGROUPS;
+    static constexpr int CONSUMER_THREADS = 128 * WARPGROUPS;
+    static constexpr int THREADS = CONSUMER_THREADS + 128;
+    static constexpr int STAGES = SPLIT ? 3 : 4;
+    static constexpr int KV_BYTES = BLOCK_N * D * 2; /* one K or V block */
+    static constexpr int Q_BYTES = ROWS * D * 2;
+    static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;
+    /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
+     * segment ends, so they do not take registers from the pipeline */
+    static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
+    static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
+    static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
+    static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
+    static constexpr int ENTRY_REGS = (65536 / (THREADS * MIN_CTAS)) & ~7;
+    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
+    static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
+};
+
+__device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tensor &t, int b, int64_t row, int head) {
+    return (const uint16_t *)t.data + b * t.batch_stride + row * t.row_stride + head * t.head_stride;
+}
+
+/* The consumer warpgroups' turn barriers (256 threads: one warpgroup waits, the other arrives). */
+template <int ID>
+__device__ __forceinline__ void named_barrier_arrive() {
+    asm volatile("bar.arrive %0, 256;" ::"n"(ID) : "memory");
+}
+template <int ID>
+__device__ __forceinline__ void named_barrier_sync() {
+    asm volatile("bar.sync %0, 256;" ::"n"(ID) : "memory");
+}
+
+/* Pipeline, per CTA (blocks: the CTA's 64-key blocks, relative index j):
+ *   producer warp: for each j, waits until stage j % STAGES is free (empty barrier: every consumer
+ *     warp has released the block that used it before), copies K and V of block j into it with
+ *     cp.async (rows past k_len zero-filled, not read), and once they have landed (cp.async.wait_group,
+ *     then fence.proxy.async so the tensor cores see them) arrives on the stage's full barrier.
+ *   consumer warpgroup: turns t = 0 .. blocks; turn t waits for block t to be full, then issues one
+ *     commit group of wgmmas: P V of block t - 1 (its V) and S of block t (its K), waits for it,
+ *     releases block t - 1, merges a finished segment into the row state, and runs the softmax of
+ *     block t (whose alpha rescales acc after block t - 1's P V has landed, as the contract's order
+ *     acc = alpha acc + P V wants). A warpgroup whose rows cannot see block t (nb <= t) issues
+ *     nothing for it but still waits and releases, so the barriers' phases stay in step.
+ *   two warpgroups take turns on the tensor cores (named barriers 1 and 2: warpgroup 0 issues first,
+ *     each issues after the other's previous turn), so one's softmax runs under the other's wgmmas. */
+template <bool BF16, int D, bool SPLIT>
+__global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT>::MIN_CTAS)
+    attention_fwd_kernel(const FwdParams p) {
+    using Tiles = FwdTiles<D, SPLIT>;
+    constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
+    constexpr int WARPGROUPS = Tiles::WARPGROUPS;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t full_bar = smem_u32(smem_raw), empty_bar = full_bar + 8 * STAGES;
+    const uint32_t q_tile = (full_bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
+    const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
+    if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
+    const int b = blockIdx.z;
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range)) return;
+    const int q_len = range.q_len, k_len = range.k_len;
+
+    /* CTA row r is (query (row0 + r) / rows_per_query, head head0 + (row0 + r) % rows_per_query) */
+    int row0, rows_per_query, head0, kv_head, segment = 0;
+    if (SPLIT) {
+        segment = blockIdx.x;
+        kv_head = blockIdx.y % p.heads_kv;
+        row0 = (blockIdx.y / p.heads_kv) * ROWS;
+        rows_per_query = p.group;
+        head0 = kv_head * p.group;
+    } else {
+        head0 = blockIdx.x;
+        kv_head = head0 / p.group;
+        row0 = (gridDim.y - 1 - blockIdx.y) * ROWS; /* the causal tiles with the most keys first */
+        rows_per_query = 1;
+    }
+    const int rows_in = min(ROWS, q_len * rows_per_query - row0);
+    if (rows_in <= 0) return;
+    auto query_of = [&](int r) { return (row0 + r) / rows_per_query; };
+    auto head_of = [&](int r) { return head0 + (row0 + r) % rows_per_query; };
+    auto len_of = [&](int r) { return visible_keys(query_of(r), q_len, k_len, p.causal); };
+
+    /* rows are in increasing query order, so the last row sees the most keys */
+    int block_begin = 0, block_end = (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
+    if (SPLIT) {
+        block_begin = segment * BLOCKS_PER_SEGMENT;
+        if (block_begin >= block_end) return;
+        block_end = min(block_end, block_begin + BLOCKS_PER_SEGMENT);
+    }
+    const int blocks = block_end - block_begin;
+    const int64_t q_row0 = range.q_start, k_row0 = range.k_start;
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 128);             /* the producer warpgroup's threads */
+            mbar_init(empty_bar + 8 * s, 4 * WARPGROUPS); /* lane 0 of every consumer warp */
+        }
+    }
+    if (tid < Tiles::CONSUMER_THREADS) {
+        load_rows_async<D, ROWS, Tiles::CONSUMER_THREADS>(
+            q_tile,
+            [&](int r) -> const uint16_t * {
+                return r < rows_in ? row_address(p.q, b, q_row0 + query_of(r), head_of(r)) : nullptr;
+            },
+            p.q.data, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async_smem(); /* this thread's copies, visible to the tensor cores' reads */
+    }
+    __syncthreads(); /* the Q tile and the initialized barriers */
+
+    if (wg == WARPGROUPS) {
+        /* producer warpgroup: K and V of relative block j into stage j % STAGES; this thread's source
+         * rows are two running pointers; rows past k_len are zeros (p = 0 there, and 0 * (stale NaN)
+         * would poison acc) */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
+        const int ptid = tid - Tiles::CONSUMER_THREADS;
+        const int64_t thread_row = k_row0 + block_begin * BLOCK_N + ptid / (D / 8), thread_col = 8 * (ptid % (D / 8));
+        const uint16_t *k_src = row_address(p.k, b, thread_row, kv_head) + thread_col;
+        const uint16_t *v_src = row_address(p.v, b, thread_row, kv_head) + thread_col;
+        for (int j = 0; j < blocks; ++j) {
+            const int s = j % STAGES;
+            mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
+            const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
+            const int keys_in = k_len - (block_begin + j) * BLOCK_N;
+            load_thread_rows_async<D, BLOCK_N, 128>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
+            load_thread_rows_async<D, BLOCK_N, 128>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
+            cp_async_commit();
+            k_src += BLOCK_N * p.k.row_stride;
+            v_src += BLOCK_N * p.v.row_stride;
+            if (j > 0) { /* block j - 1 has landed */
+                cp_async_wait<1>();
+                fence_proxy_async_smem();
+                mbar_arrive(full_bar + 8 * ((j - 1) % STAGES));
+            }
+        }
+        if (blocks > 0) {
+            cp_async_wait<0>();
+            fence_proxy_async_smem();
+            mbar_arrive(full_bar + 8 * ((blocks - 1) % STAGES));
+        }
+    } else {
+        /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of the tile */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
+        const int wg_row0 = wg * 64;
+        const bool wg_has_rows = wg_row0 < rows_in;
+        const int wg_max_len = wg_has_rows ? len_of(min(wg_row0 + 63, rows_in - 1)) : 0;
+        const int wg_min_len = wg_has_rows ? len_of(wg_row0) : 0;
+        /* the blocks it attends: those with a key its last row sees, a prefix of the CTA's blocks */
+        const int nb = min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - block_begin));
+        const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
+        int row_len[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = thread_row0 + 8 * h;
+            row_len[h] = r < rows_in ? len_of(r) : 0;
+        }
+
+        RowPair seg;
+        set_empty(seg);
+        float acc[D / 2];
+        RowPair row; /* prefill: the row state the segments merge into; its o[i] at o_state[i * CONSUMER_THREADS] */
+        set_empty(row);
+        float *o_state = (float *)(smem_raw + (kv_ring + Tiles::RING_BYTES - full_bar)) + tid;
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+        if constexpr (!SPLIT) {
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
+        }
+        const uint32_t q_rows = q_tile + wg_row0 * 128;
+        float s[BLOCK_N / 2];
+        uint32_t pa[BLOCK_N / 16][4];
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < BLOCK_N / 16; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) pa[t][i] = 0u;
+
+        /* turn t: wait for block t (t < blocks), wait for this warpgroup's turn on the tensor cores,
+         * issue, pass the turn on, wait for the wgmmas, release block t - 1 */
+        auto wait_full = [&](int t) {
+            if (t < blocks) mbar_wait(full_bar + 8 * (t % STAGES), (t / STAGES) & 1);
+        };
+        auto turn_begin = [&]() {
+            if constexpr (WARPGROUPS == 2) {
+                if (wg == 0) named_barrier_sync<1>();
+                else named_barrier_sync<2>();
+            }
+        };
+        auto turn_end = [&](int t) { /* warpgroup 1's last arrival would have no taker */
+            if constexpr (WARPGROUPS == 2) {
+                if (wg == 0) named_barrier_arrive<2>();
+                else if (t < blocks) named_barrier_arrive<1>();
+            }
+        };
+        auto release = [&](int t) {
+            if (t >= 1 && lane == 0) mbar_arrive(empty_bar + 8 * ((t - 1) % STAGES));
+        };
+        auto k_tile = [&](int t) { return kv_ring + (t % STAGES) * 2 * KV_BYTES; };
+        auto v_tile = [&](int t) { return kv_ring + (t % STAGES) * 2 * KV_BYTES + KV_BYTES; };
+        auto fence_registers = [&]() {
+            fence_accumulators(acc);
+            fence_accumulators(s);
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
+        };
+        auto softmax = [&](int t) {
+            const int key0 = (block_begin + t) * BLOCK_N;
+            softmax_block<BF16, D>(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, acc, pa);
+        };
+        /* after block t's P V: merge the segment state into the row state if block t ends a segment or
+         * is the warpgroup's last */
+        auto segment_end = [&](int t) {
+            if constexpr (!SPLIT) {
+                if ((block_begin + t + 1) % BLOCKS_PER_SEGMENT == 0 || t == nb - 1) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float o_row[D / 4], acc_row[D / 4];
+#pragma unroll
+                        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                                acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
+                            }
+                        merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
+#pragma unroll
+                        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS] = o_row[2 * j + e];
+                                acc[4 * j + 2 * h + e] = 0.0f;
+                            }
+                    }
+                    set_empty(seg);
+                }
+            }
+        };
+
+        if (WARPGROUPS == 2 && wg == 1) named_barrier_arrive<1>(); /* warpgroup 0 takes the first turn */
+        int t = 0;
+        if (nb > 0) {
+            /* turn 0: S of block 0 */
+            wait_full(0);
+            turn_begin();
+            fence_registers();
+            wgmma_fence();
+            issue_scores<BF16, D, ROWS * 128>(s, q_rows, k_tile(0));
+            wgmma_commit();
+            turn_end(0);
+            wgmma_wait<0>();
+            fence_registers();
+            softmax(0);
+            /* turn t: P V of block t - 1, S of block t */
+            for (t = 1; t < nb; ++t) {
+                wait_full(t);
+                turn_begin();
+                fence_registers();
+                wgmma_fence();
+                issue_pv<BF16, D>(acc, pa, v_tile(t - 1));
+                issue_scores<BF16, D, ROWS * 128>(s, q_rows, k_tile(t));
+                wgmma_commit();
+                turn_end(t);
+                wgmma_wait<0>();
+                fence_registers();
+                release(t);
+                segment_end(t - 1);
+                softmax(t);
+            }
+            /* turn nb: P V of the last block */
+            wait_full(nb);
+            turn_begin();
+            fence_registers();
+            wgmma_fence();
+            issue_pv<BF16, D>(acc, pa, v_tile(nb - 1));
+            wgmma_commit();
+            turn_end(nb);
+            wgmma_wait<0>();
+            fence_registers();
+            release(nb);
+            segment_end(nb - 1);
+            t = nb + 1;
+        }
+        /* the blocks its rows cannot see: keep the barriers' phases and the turns in step */
+        for (; t <= blocks; ++t) {
+            wait_full(t);
+            turn_begin();
+            turn_end(t);
+            release(t);
+        }
+
+        const int col = 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = thread_row0 + 8 * h;
+            if (r >= rows_in) continue;
+            const int i = query_of(r), head = head_of(r);
+            if constexpr (SPLIT) {
+                const int64_t record =
+                    (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + segment;
+                float *rec = p.partials + record * (D + 4);
+                if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j)
+                    *(float2 *)(rec + 4 + j * 8 + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            } else {
+                float o_row[D / 4], y[D / 4], lse;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
+                uint16_t *dst = (uint16_t *)row_address(p.out, b, q_row0 + i, head) + col;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j) *(uint32_t *)(dst + j * 8) = pack_half2<BF16>(y[2 * j], y[2 * j + 1]);
+                if ((lane & 3) == 0 && p.lse.data)
+                    ((float *)p.lse.data)[b * p.lse.batch_stride + (q_row0 + i) * p.lse.row_stride +
+                                          head * p.lse.head_stride] = lse;
+            }
+        }
+    }
+}
+
+/* Split schedule, second kernel: row (b, i, h) merges its segments 0 .. ceil(L / 512) - 1 in order
+ * and normalizes, with the prefill kernel's merge_segment and finalize_row. D / 4 threads per row,
+ * 4 consecutive columns each. */
+template <bool BF16, int D>
+__global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams p) {
+    constexpr int LANES = D / 4, ROWS_PER_CTA = 128 / LANES;
+    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_CTA + threadIdx.x / LANES;
+    const int j = threadIdx.x % LANES;
+    if (row >= p.rows_total) return;
+    const int head = (int)(row % p.heads_q);
+    const int64_t bi = row / p.heads_q;
+    const int i = (int)(bi % p.seq.max_q_len), b = (int)(bi / p.seq.max_q_len);
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range) || i >= range.q_len) return;
+    const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
+
+    float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float *rec = p.partials + row * p.num_segments * (D + 4);
+    for (int s = 0; s < segments; ++s, rec += D + 4) {
+        const float2 st = *(const float2 *)rec;
+        const float4 a = *(const float4 *)(rec + 4 + 4 * j);
+        const float acc[4] = {a.x, a.y, a.z, a.w};
+        merge_segment<4>(m, l, o, st.x, st.y, acc, p.scale_log2);
+    }
+    float y[4], lse;
+    finalize_row<4>(m, l, o, y, lse, p.scale_log2);
+    uint16_t *dst = (uint16_t *)row_address(p.out, b, range.q_start + i, head) + 4 * j;
+    *(uint2 *)dst = make_uint2(pack_half2<BF16>(y[0], y[1]), pack_half2<BF16>(y[2], y[3]));
+    if (j == 0 && p.lse.data)
+        ((float *)p.lse.data)[b * p.lse.batch_stride + (range.q_start + i) * p.lse.row_stride +
+                              head * p.lse.head_stride] = lse;
+}
+
+/* ------------------------------------ host -------------------------------------------------- */
+
+enum FwdSchedule { SCHEDULE_AUTO = 0, SCHEDULE_PREFILL = 1, SCHEDULE_SPLIT = 2 };
+
+bool layout_ok(const rlk_attention_tensor &t) {
+    return (uintptr_t)t.data % 16 == 0 && t.batch_stride % 8 == 0 && t.row_stride % 8 == 0 && t.head_stride % 8 == 0;
+}
+
+/* What these kernels take: the sm80 forward's conditions exactly (dtype, head_dim, head grouping,
+ * 16-byte rows, grid limits), so the fallback never depends on row counts. */
+bool supported(const rlk_attention_args *a) {
+    if (a->dtype != RLK_BF16 && a->dtype != RLK_F16) return false;
+    if (a->head_dim != 64 && a->head_dim != 128) return false;
+    if (a->batch < 0 || a->batch > 65535 || a->heads_kv < 1 || a->heads_q % a->heads_kv != 0 || a->heads_q > 65535)
+        return false;
+    if (a->max_q_len < 0 || a->max_k_len < 0 || a->max_q_len > (1 << 22) || a->max_k_len > (1 << 30)) return false;
+    if (!layout_ok(a->q) || !layout_ok(a->k) || !layout_ok(a->v) || !layout_ok(a->out)) return false;
+    return true;
+}
+
+FwdSchedule pick_schedule(const rlk_attention_args *a, int forced) {
+    if (forced == SCHEDULE_PREFILL || forced == SCHEDULE_SPLIT) return (FwdSchedule)forced;
+    /* a scheduling choice only: both give the same bits */
+    return a->max_q_len * (a->heads_q / a->heads_kv) <= SPLIT_ROWS ? SCHEDULE_SPLIT : SCHEDULE_PREFILL;
+}
+
+int64_t split_segments(const rlk_attention_args *a) { return (a->max_k_len + SEGMENT - 1) / SEGMENT; }
+
+int64_t split_workspace_bytes(const rlk_attention_args *a) {
+    return a->batch * a->max_q_len * a->heads_q * split_segments(a) * (a->head_dim + 4) * (int64_t)sizeof(float);
+}
+
+Sequences sequences(const rlk_attention_args *a) {
+    Sequences s;
+    s.q_start = a->q_start;
+    s.q_len = a->q_len;
+    s.k_start = a->k_start;
+    s.k_len = a->k_len;
+    s.max_q_len = a->max_q_len;
+    s.max_k_len = a->max_k_len;
+    s.q_rows = a->q_rows;
+    s.k_rows = a->k_rows;
+    s.bad_index = a->bad_index;
+    return s;
+}
+
+template <bool BF16, int D>
+int run_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
+    FwdParams p;
+    p.q = a->q;
+    p.k = a->k;
+    p.v = a->v;
+    p.out = a->out;
+    p.lse = a->lse;
+    p.seq = sequences(a);
+    p.heads_q = (int)a->heads_q;
+    p.heads_kv = (int)a->heads_kv;
+    p.group = (int)(a->heads_q / a->heads_kv);
+    p.causal = a->causal != 0;
+    p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
+    p.partials = (float *)a->workspace;
+    p.num_segments = (int)split_segments(a);
+    p.rows_total = a->batch * a->max_q_len * a->heads_q;
+    if (p.rows_total == 0) return RLK_OK;
+
+    cudaError_t err;
+    if (schedule == SCHEDULE_PREFILL) {
+        using Tiles = FwdTiles<D, false>;
+        auto kernel = attention_fwd_kernel<BF16, D, false>;
+        const int64_t tiles = (a->max_q_len + Tiles::ROWS - 1) / Tiles::ROWS;
+        if (tiles > 65535) return RLK_UNSUPPORTED;
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::SMEM_BYTES);
+        if (err != cudaSuccess) return (int)err;
+        kernel<<<dim3((unsigned)a->heads_q, (unsigned)tiles, (unsigned)a->batch), Tiles::THREADS, Tiles::SMEM_BYTES,
+                 stream>>>(p);
+        return (int)cudaGetLastError();
+    }
+    using Tiles = FwdTiles<D, true>;
+    const int64_t row_tiles = (a->max_q_len * p.group + Tiles::ROWS - 1) / Tiles::ROWS;
+    if (row_tiles * a->heads_kv > 65535) return RLK_UNSUPPORTED;
+    if (p.num_segments > 0) {
+        auto kernel = attention_fwd_kernel<BF16, D, true>;
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::SMEM_BYTES);
+        if (err != cudaSuccess) return (int)err;
+        kernel<<<dim3((unsigned)p.num_segments, (unsigned)(row_tiles * a->heads_kv), (unsigned)a->batch),
+                 Tiles::THREADS, Tiles::SMEM_BYTES, stream>>>(p);
+        err = cudaGetLastError();
+        if (err != cudaSuccess) return (int)err;
+    }
+    constexpr int ROWS_PER_CTA = 128 / (D / 4);
+    attention_combine_kernel<BF16, D>
+        <<<(unsigned)((p.rows_total + ROWS_PER_CTA - 1) / ROWS_PER_CTA), 128, 0, stream>>>(p);
+    return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+/* Test hook: schedule 1 forces the prefill kernel, 2 the split-KV kernels, 0 picks as the
+ * launcher does. The bits do not depend on it. */
+extern "C" int rlk_attention_fwd_sm90_forced(const rlk_attention_args *args, rlk_context *ctx, int schedule) {
+    if (!supported(args)) return RLK_UNSUPPORTED;
+    const FwdSchedule s = pick_schedule(args, schedule);
+    ctx->kernel = s == SCHEDULE_SPLIT ? "attention_fwd_split_sm90" : "attention_fwd_sm90";
+    if (ctx->plan_only) {
+        ctx->workspace_bytes = s == SCHEDULE_SPLIT ? split_workspace_bytes(args) : 0;
+        return RLK_OK;
+    }
+    cudaStream_t stream = (cudaStream_t)ctx->stream;
+    const bool bf16 = args->dtype == RLK_BF16;
+    if (args->head_dim == 64) return bf16 ? run_fwd<true, 64>(args, s, stream) : run_fwd<false, 64>(args, s, stream);
+    return bf16 ? run_fwd<true, 128>(args, s, stream) : run_fwd<false, 128>(args, s, stream);
+}
+
+extern "C" int rlk_attention_fwd_sm90(const rlk_attention_args *args, rlk_context *ctx) {
+    return rlk_attention_fwd_sm90_forced(args, ctx, SCHEDULE_AUTO);
+}
