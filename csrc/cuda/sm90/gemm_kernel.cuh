@@ -22,8 +22,8 @@
  * [g T / G, (g + 1) T / G) of their T = (G + r) x k_tiles, in work order the tail of one item, whole
  * items, and the head of another. The head's owner runs its slices from zero and stores the fp32
  * accumulators to a slot of the workspace; the next cluster loads them and continues the same chain
- * through the remaining slices, then runs the epilogue. Each cluster does its head first and its tail
- * last, so the wait for the previous cluster's head is short or none; cluster g waits only on cluster
+ * through the remaining slices, then runs the epilogue. In the shared items each cluster does its head
+ * first and its tail last, so the wait for the previous cluster's head is short or none; cluster g waits only on cluster
  * g - 1 of a persistent grid of co-resident clusters. This is the cuBLAS answer to wave quantization
  * without its split-K sums: no element is summed in a different order.
  *
@@ -277,32 +277,38 @@ __device__ __forceinline__ void work_coords(int work, int m_groups, int n_units,
     *n_unit = local / rows;
 }
 
-/* The work of one cluster, in the order it runs: a head piece (k-slices [0, head_end) of head_work; none
- * when head_end = 0), whole items first + i * stride (i < count), whole items sk_first + i (i <
+/* The work of one cluster, in the order it runs: whole items first + i * stride (i < count), a head
+ * piece (k-slices [0, head_end) of head_work; none when head_end = 0), whole items sk_first + i (i <
  * sk_count), a tail piece (k-slices [tail_begin, k_tiles) of tail_work; none when tail_begin = 0).
- * Without stream-K only whole items, strided over the clusters (a round of G items at a time, which
- * keeps the A and B panels that run together close in L2). With stream-K the same rounds come first
- * but one; the last G + r items (0 < r < G) are shared out as equal ranges of k-slices, contiguous
- * in work order, so no item spans more than two clusters. (Stream-K over all items made M >= 8942
- * 1.7x slower: ranges of whole items far apart in work order share nothing in L2.) */
+ * Without stream-K only whole items, strided over the clusters: a round of G items at a time, all
+ * clusters in step through k, so tiles that share A rows or B columns read them from L2 at about the
+ * same time. With stream-K the same rounds come first but one; the last G + r items (0 < r < G) are
+ * shared out as equal ranges of k-slices, contiguous in work order, so no item spans more than two
+ * clusters. Measured on the H100: stream-K over all items made M >= 8942 1.7x slower (ranges far
+ * apart in work order share nothing in L2), and heads before the whole rounds 1.2-1.4x slower at
+ * K = 12288 (the heads' lengths put the clusters out of step for every round). */
 struct work_plan {
     int head_work, head_end;
     int first, count, stride;
     int sk_first, sk_count;
     int tail_work, tail_begin;
 
-    __device__ __forceinline__ int pieces() const { return (head_end > 0) + count + sk_count + (tail_begin > 0); }
+    __device__ __forceinline__ int pieces() const { return count + (head_end > 0) + sk_count + (tail_begin > 0); }
     __device__ __forceinline__ void piece(int i, int k_tiles, int *work, int *k_begin, int *k_end) const {
+        *k_begin = 0, *k_end = k_tiles;
+        if (i < count) {
+            *work = first + i * stride;
+            return;
+        }
+        i -= count;
         if (head_end > 0) {
             if (i == 0) {
-                *work = head_work, *k_begin = 0, *k_end = head_end;
+                *work = head_work, *k_end = head_end;
                 return;
             }
             --i;
         }
-        *k_begin = 0, *k_end = k_tiles;
-        if (i < count) *work = first + i * stride;
-        else if (i < count + sk_count) *work = sk_first + (i - count);
+        if (i < sk_count) *work = sk_first + i;
         else *work = tail_work, *k_begin = tail_begin;
     }
 };
