@@ -47,11 +47,12 @@ static const int config_consumers[CONFIG_TALL + 1] = {2, 2, 1, 2};
 /* ns per k16 step of a wave of tiles, measured on the H100 (bench_gemm_layer, median over the Qwen3-8B
  * layer shapes; docs/perf-notes.md "Layer GEMMs at ragged token counts"). */
 static const int config_step_ns[CONFIG_TALL + 1] = {197, 126, 74, 106};
-/* Stream-K's fixed cost: the flag memset and hand-over latency, plus every CTA writing and later
- * reading a tile of fp32 accumulators through L2 (~5.5 TB/s). */
-static double stream_k_overhead_ns(int config, int num_sms) {
-    return 2000.0 + 2.0 * num_sms * config_bm[config] * config_bn[config] * 4 / 5500.0;
-}
+/* Stream-K's cost beyond its share of the k-slices, in waves of whole tiles: fitted to the H100
+ * (docs/perf-notes.md, "Stream-K"): with G + r items shared out it measured ~0.2-0.5 of a wave above
+ * (tiles / SMs) waves (partials through L2, the clusters no longer in step through k, waits), plus
+ * the flag memset. So it pays where the last wave of whole tiles is less than about half full. */
+#define STREAM_K_EXTRA_WAVES 0.45
+#define STREAM_K_FIXED_NS 2000.0
 
 typedef struct gemm_plan {
     int config;
@@ -82,7 +83,8 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ma
     for (int c = 0; c <= CONFIG_TALL; ++c) {
         const int64_t tiles = ((M + config_bm[c] - 1) / config_bm[c]) * ((N + config_bn[c] - 1) / config_bn[c]);
         const double waves_ns = (double)((tiles + num_sms - 1) / num_sms) * steps * config_step_ns[c];
-        const double stream_k_ns = (double)tiles / num_sms * steps * config_step_ns[c] + stream_k_overhead_ns(c, num_sms);
+        const double stream_k_ns =
+            ((double)tiles / num_sms + STREAM_K_EXTRA_WAVES) * steps * config_step_ns[c] + STREAM_K_FIXED_NS;
         const bool stream_k = may_stream_k && tiles > num_sms && stream_k_ns < waves_ns;
         const double ns = stream_k ? stream_k_ns : waves_ns;
         if (ns < best_ns) {
