@@ -8,7 +8,9 @@ Model: transformers Qwen3 from a config with random weights: 4 layers of the Qwe
   token_logprobs (linear_logp on the hidden states, no logits), backward inside the mode.
 - forward alone: the same without the backward (no grad).
 - decode step: one token per sequence at batch 1 and 32 against a KV cache prefilled to 1024
-  (native: torch's default SDPA choice, and SDPA with cuDNN excluded).
+  (native: torch's default SDPA choice, and SDPA with cuDNN excluded), timed over blocks of
+  DECODE_BLOCK steps inside one `batch_invariant()` as a rollout loop holds it (rollout() does);
+  the mode's enter + exit, paid once per block there, is reported on its own.
 Each timing is the median of CUDA-event times after warm-up, native and ours alternating step by
 step. Time per op class from one profiled step each (CUDA kernel names bucketed: GEMM, attention,
 norms, head / softmax, elementwise and other).
@@ -75,6 +77,14 @@ def timed(fn):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end)
+
+
+DECODE_BLOCK = 8
+
+
+def enter_and_exit_mode():
+    with rl_kernels.batch_invariant():
+        pass
 
 
 def alternate(fns, reps, warmup=2):
@@ -156,26 +166,32 @@ def main():
         token = prompt[:, -1:]
 
         def decoder(model, mode):
-            # the cache grows by one token per call (1024 -> ~1040 over the timed calls); rollout()
-            # holds the mode on around its whole decode loop, so the timed step does too
+            # a block of DECODE_BLOCK steps under one mode (a rollout loop holds it; per step,
+            # entering it would cost more than the step's kernels); the cache grows by one token
+            # per step (1024 -> ~1180 over the timed blocks)
             cache = transformers.DynamicCache(config=model.config)
             with torch.no_grad(), mode():
                 model(input_ids=prompt, past_key_values=cache, use_cache=True)
 
             def go():
                 with torch.no_grad(), mode():
-                    model(input_ids=token, past_key_values=cache, use_cache=True)
+                    for _ in range(DECODE_BLOCK):
+                        model(input_ids=token, past_key_values=cache, use_cache=True)
             return go
 
         # torch's default SDPA on an H100 takes cuDNN, whose plan is built per key length: a decode
         # step (one key more each time) then pays a plan build per layer; the second native variant
         # excludes cuDNN, as a user who meets that would
         no_cudnn = functools.partial(sdpa_kernel, [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
-        native_ms, no_cudnn_ms, ours_ms = alternate([decoder(native, contextlib.nullcontext),
-                                                     decoder(native, no_cudnn),
-                                                     decoder(ours, rl_kernels.batch_invariant)], reps=10, warmup=3)
+        blocks = alternate([decoder(native, contextlib.nullcontext), decoder(native, no_cudnn),
+                            decoder(ours, rl_kernels.batch_invariant)], reps=10, warmup=3)
+        native_ms, no_cudnn_ms, ours_ms = (ms / DECODE_BLOCK for ms in blocks)
         report(f"decode step, batch {batch} (cache ~1024)", native_ms, ours_ms)
         report(f"decode step, batch {batch} (cache ~1024), native SDPA without cuDNN", no_cudnn_ms, ours_ms)
+    mode_ms = statistics.median(timed(enter_and_exit_mode) for _ in range(20))
+    lines.append(f"\nbatch_invariant() enter + exit (once per rollout loop): {mode_ms:.2f} ms")
+    records.append({"op": "model", "pass": "batch_invariant enter + exit", "ms": mode_ms,
+                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__})
     text = (header(f"Qwen3-8B-width model ({args.layers} layers + 151,936-token head), native transformers "
                    f"vs rl_kernels") + "\n".join(lines) + "\n\nTime by op class (ms, one profiled trainer step): "
             + f"native {classes['native']}; rl_kernels {classes['rl_kernels']}\n")
