@@ -26,8 +26,9 @@
  *     consumer warpgroup and the producer owns one (sequence, kv head, segment) and 64 rows made of
  *     the group's G query heads of consecutive queries (row = query * G + head in group), so one K/V
  *     read serves the whole group, two CTAs per SM (3-stage ring). It writes the segment state of each
- *     row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel merges each row's segments
- *     in increasing order and normalizes (head_dim / 4 threads per row, 4 columns each).
+ *     row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel (cuda/attention.cuh, as
+ *     sm80's) merges each row's segments in increasing order and normalizes (head_dim / 4 threads per
+ *     row, 4 columns each).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
  * Shared memory (d = 128 / 64): prefill Q tile 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
@@ -45,8 +46,9 @@
  *
  * Why the two schedules give the same bits for a row:
  *   - the block update (softmax_block, then issue_pv), the segment merge (merge_segment) and the
- *     normalization (finalize_row) are each one function, every product and sum in them an explicitly
- *     rounded intrinsic (no contraction choice left to the compiler), exp2 is ex2.approx.ftz;
+ *     normalization (finalize_row; both in cuda/attention.cuh, the sm80 kernels' source) are each one
+ *     function, every product and sum in them an explicitly rounded intrinsic (no contraction choice
+ *     left to the compiler), exp2 is ex2.approx.ftz;
  *   - a row's S and P V are wgmma m64 chains in one fixed order (S: the head_dim k16 steps from
  *     zero, N = 64; P V: the block's 4 key k16 steps onto the rescaled acc, N = head_dim) in both
  *     schedules; a wgmma row depends only on its own A row, so the rows packed beside it (other
@@ -61,11 +63,12 @@
  * on batch size, packing, padding, q_len (full vs chunked prefill vs decode) or schedule. They differ
  * from the sm80 kernels' bits (other MMA instructions).
  *
- * Layout requirements (else RLK_UNSUPPORTED, the sm80 fallback then runs): the sm80 kernels' exactly
- * (bf16/fp16, head_dim 64 or 128, heads_q a multiple of heads_kv, 16-byte aligned data pointers and
- * batch/row/head strides multiples of 8 elements, lse any fp32 strides), so whether the fallback runs
- * depends on dtype and head_dim only. Every kernel checks its sequence's ranges (0 <= len <= max_len,
- * 0 <= start, start + len <= rows) and skips a sequence that breaks them, raising *bad_index.
+ * Layout requirements (else RLK_UNSUPPORTED, the sm80 fallback then runs): the sm80 kernels' exactly,
+ * one supported() in cuda/attention.cuh (bf16/fp16, head_dim 64 or 128, heads_q a multiple of
+ * heads_kv, 16-byte aligned data pointers and batch/row/head strides multiples of 8 elements, lse any
+ * fp32 strides), so whether the fallback runs depends on dtype and head_dim only. Every kernel checks
+ * its sequence's ranges (0 <= len <= max_len, 0 <= start, start + len <= rows; load_sequence) and
+ * skips a sequence that breaks them, raising *bad_index.
  *
  * Build (object, ptxas report; the wgmma header is generated):
  *   python3 csrc/cuda/sm90/wgmma_gen.py build/gen && nvcc -c csrc/cuda/sm90/attention.cu -o /tmp/a90.o \
@@ -78,105 +81,15 @@
 #include <stdint.h>
 
 #include "../../ops/attention.h"
+#include "../attention.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
 
 namespace {
 
-constexpr int BLOCK_N = RLK_ATTENTION_BLOCK_N;
-constexpr int SEGMENT = RLK_ATTENTION_SEGMENT;
-constexpr int BLOCKS_PER_SEGMENT = SEGMENT / BLOCK_N;
 static_assert(BLOCK_N == 64, "the kernels' key tiles are 64 keys (wgmma n64 for S, 4 k16 steps of P V)");
-static_assert(SEGMENT % BLOCK_N == 0, "a segment is whole blocks");
 
-constexpr float LN2 = 0.6931471805599453f;
-constexpr int SPLIT_ROWS = 64; /* rows of a split-schedule CTA: (query, head in group) pairs */
 constexpr int TILE_ALIGN = 1024; /* 128-byte swizzle atoms: 8 rows x 128 bytes */
-
-/* ------------------------------------ shared arithmetic ------------------------------------- */
-
-__device__ __forceinline__ float log2_approx(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-/* Keys 0 .. L-1 of its sequence that query i sees (bottom-right causal alignment). */
-__device__ __forceinline__ int visible_keys(int i, int q_len, int k_len, int causal) {
-    if (!causal) return k_len;
-    return min(max(k_len - q_len + i + 1, 0), k_len);
-}
-
-/* The per-sequence ranges (device arrays) and the bounds the contract holds them to. */
-struct Sequences {
-    const int32_t *q_start, *q_len, *k_start, *k_len;
-    int64_t max_q_len, max_k_len, q_rows, k_rows;
-    int32_t *bad_index; /* host-mapped; may be null */
-};
-
-struct SequenceRange {
-    int64_t q_start, k_start;
-    int q_len, k_len;
-};
-
-/* Sequence b's ranges. One that breaks the contract (negative, longer than max_q_len / max_k_len,
- * past the storage rows) is skipped: false, and the host-mapped flag raised for the caller. */
-__device__ __forceinline__ bool load_sequence(const Sequences &s, int b, SequenceRange &r) {
-    r.q_start = s.q_start[b];
-    r.k_start = s.k_start[b];
-    r.q_len = s.q_len[b];
-    r.k_len = s.k_len[b];
-    const bool ok = r.q_len >= 0 && r.q_len <= s.max_q_len && r.q_start >= 0 && r.q_start + r.q_len <= s.q_rows &&
-                    r.k_len >= 0 && r.k_len <= s.max_k_len && r.k_start >= 0 && r.k_start + r.k_len <= s.k_rows;
-    if (!ok && s.bad_index) *(volatile int32_t *)s.bad_index = 1;
-    return ok;
-}
-
-/* The contract's scaled(m) = round(m * c), 0 while m = -inf. States keep m only and recompute its
- * scaled value where it is needed (same bits, fewer live registers). */
-__device__ __forceinline__ float scaled(float m, float c) { return m == -INFINITY ? 0.0f : __fmul_rn(m, c); }
-
-/* The softmax state of a thread's two rows of a warpgroup's m64 tile (rows 16 w + lane / 4 and
- * + 8 of warp w of the warpgroup): running max m and running sum l. */
-struct RowPair {
-    float m[2], l[2];
-};
-
-__device__ __forceinline__ void set_empty(RowPair &st) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        st.m[h] = -INFINITY;
-        st.l[h] = 0.0f;
-    }
-}
-
-/* Merges a segment state (m_g, l_g, acc_g) into a row state (m, l, o), N columns of the row: the
- * prefill kernel and the combine kernel both call this, so the merge is the same rounded sequence
- * in both schedules. A segment the row cannot see (m_g = -inf) leaves it untouched. */
-template <int N>
-__device__ __forceinline__ void merge_segment(float &m, float &l, float (&o)[N], float m_g, float l_g,
-                                              const float (&acc_g)[N], float c) {
-    if (m_g == -INFINITY) return;
-    const float m_new = fmaxf(m, m_g);
-    const float ms_new = scaled(m_new, c);
-    const float a = m == -INFINITY ? 0.0f : (m_new == m ? 1.0f : exp2_approx(__fsub_rn(scaled(m, c), ms_new)));
-    const float b = m_g == m_new ? 1.0f : exp2_approx(__fsub_rn(scaled(m_g, c), ms_new));
-    l = __fmaf_rn(a, l, __fmul_rn(b, l_g));
-#pragma unroll
-    for (int k = 0; k < N; ++k) o[k] = __fmaf_rn(a, o[k], __fmul_rn(b, acc_g[k]));
-    m = m_new;
-}
-
-/* out = o * (1 / l) and lse = (scaled(m) + log2 l) ln 2; a row that saw no key: out = 0, lse = -inf.
- * Both schedules normalize with this. */
-template <int N>
-__device__ __forceinline__ void finalize_row(float m, float l, const float (&o)[N], float (&y)[N], float &lse, float c) {
-    const bool empty = l == 0.0f;
-    const float inv = empty ? 0.0f : __frcp_rn(l);
-#pragma unroll
-    for (int k = 0; k < N; ++k) y[k] = __fmul_rn(o[k], inv);
-    lse = empty ? -INFINITY : __fmul_rn(__fadd_rn(scaled(m, c), log2_approx(l)), LN2);
-}
 
 /* ------------------------------------ shared-memory tiles ----------------------------------- */
 
@@ -236,7 +149,6 @@ __device__ __forceinline__ uint64_t mn_major_desc(uint32_t tile, int t) {
     return smem_desc(tile + t * 16 * 128, BLOCK_N * 128, 1024);
 }
 
-/* ------------------------------------ forward ----------------------------------------------- */
 /* ------------------------------------ forward ----------------------------------------------- */
 
 /* The wgmmas of one block, issued into the current commit group (the caller fences and commits).
@@ -319,16 +231,6 @@ __device__ __forceinline__ void softmax_block(float (&s)[BLOCK_N / 2], int lane,
         for (int i = 0; i < 4; ++i) pa[t][i] = pack_half2<BF16>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
 }
 
-struct FwdParams {
-    rlk_attention_tensor q, k, v, out, lse;
-    Sequences seq;
-    int heads_q, heads_kv, group, causal;
-    float scale_log2; /* c = softmax_scale * log2(e) */
-    float *partials;  /* split: [batch][max_q_len][heads_q][num_segments] records {m, l, 0, 0, acc[D]} */
-    int num_segments;
-    int64_t rows_total; /* combine: batch * max_q_len * heads_q */
-};
-
 /* Consumer warpgroups of 64 rows (prefill 2, one CTA per SM: the two accumulator sets take ~200
  * registers a thread; split 1, two CTAs per SM) and one producer warpgroup that streams the K and V
  * blocks into a ring of STAGES stages. setmaxnreg moves registers from the producer (PRODUCER_REGS)
@@ -358,10 +260,6 @@ struct FwdTiles {
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
     static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
 };
-
-__device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tensor &t, int b, int64_t row, int head) {
-    return (const uint16_t *)t.data + b * t.batch_stride + row * t.row_stride + head * t.head_stride;
-}
 
 /* The consumer warpgroups' turn barriers (256 threads: one warpgroup waits, the other arrives). */
 template <int ID>
@@ -668,132 +566,12 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     }
 }
 
-/* Split schedule, second kernel: row (b, i, h) merges its segments 0 .. ceil(L / 512) - 1 in order
- * and normalizes, with the prefill kernel's merge_segment and finalize_row. D / 4 threads per row,
- * 4 consecutive columns each. */
-template <bool BF16, int D>
-__global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams p) {
-    constexpr int LANES = D / 4, ROWS_PER_CTA = 128 / LANES;
-    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_CTA + threadIdx.x / LANES;
-    const int j = threadIdx.x % LANES;
-    if (row >= p.rows_total) return;
-    const int head = (int)(row % p.heads_q);
-    const int64_t bi = row / p.heads_q;
-    const int i = (int)(bi % p.seq.max_q_len), b = (int)(bi / p.seq.max_q_len);
-    SequenceRange range;
-    if (!load_sequence(p.seq, b, range) || i >= range.q_len) return;
-    const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
-
-    float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float *rec = p.partials + row * p.num_segments * (D + 4);
-    for (int s = 0; s < segments; ++s, rec += D + 4) {
-        const float2 st = *(const float2 *)rec;
-        const float4 a = *(const float4 *)(rec + 4 + 4 * j);
-        const float acc[4] = {a.x, a.y, a.z, a.w};
-        merge_segment<4>(m, l, o, st.x, st.y, acc, p.scale_log2);
-    }
-    float y[4], lse;
-    finalize_row<4>(m, l, o, y, lse, p.scale_log2);
-    uint16_t *dst = (uint16_t *)row_address(p.out, b, range.q_start + i, head) + 4 * j;
-    *(uint2 *)dst = make_uint2(pack_half2<BF16>(y[0], y[1]), pack_half2<BF16>(y[2], y[3]));
-    if (j == 0 && p.lse.data)
-        ((float *)p.lse.data)[b * p.lse.batch_stride + (range.q_start + i) * p.lse.row_stride +
-                              head * p.lse.head_stride] = lse;
-}
-
 /* ------------------------------------ host -------------------------------------------------- */
-
-enum FwdSchedule { SCHEDULE_AUTO = 0, SCHEDULE_PREFILL = 1, SCHEDULE_SPLIT = 2 };
-
-bool layout_ok(const rlk_attention_tensor &t) {
-    return (uintptr_t)t.data % 16 == 0 && t.batch_stride % 8 == 0 && t.row_stride % 8 == 0 && t.head_stride % 8 == 0;
-}
-
-/* What these kernels take: the sm80 forward's conditions exactly (dtype, head_dim, head grouping,
- * 16-byte rows, grid limits), so the fallback never depends on row counts. */
-bool supported(const rlk_attention_args *a) {
-    if (a->dtype != RLK_BF16 && a->dtype != RLK_F16) return false;
-    if (a->head_dim != 64 && a->head_dim != 128) return false;
-    if (a->batch < 0 || a->batch > 65535 || a->heads_kv < 1 || a->heads_q % a->heads_kv != 0 || a->heads_q > 65535)
-        return false;
-    if (a->max_q_len < 0 || a->max_k_len < 0 || a->max_q_len > (1 << 22) || a->max_k_len > (1 << 30)) return false;
-    if (!layout_ok(a->q) || !layout_ok(a->k) || !layout_ok(a->v) || !layout_ok(a->out)) return false;
-    return true;
-}
-
-FwdSchedule pick_schedule(const rlk_attention_args *a, int forced) {
-    if (forced == SCHEDULE_PREFILL || forced == SCHEDULE_SPLIT) return (FwdSchedule)forced;
-    /* a scheduling choice only: both give the same bits */
-    return a->max_q_len * (a->heads_q / a->heads_kv) <= SPLIT_ROWS ? SCHEDULE_SPLIT : SCHEDULE_PREFILL;
-}
-
-int64_t split_segments(const rlk_attention_args *a) { return (a->max_k_len + SEGMENT - 1) / SEGMENT; }
-
-int64_t split_workspace_bytes(const rlk_attention_args *a) {
-    return a->batch * a->max_q_len * a->heads_q * split_segments(a) * (a->head_dim + 4) * (int64_t)sizeof(float);
-}
-
-Sequences sequences(const rlk_attention_args *a) {
-    Sequences s;
-    s.q_start = a->q_start;
-    s.q_len = a->q_len;
-    s.k_start = a->k_start;
-    s.k_len = a->k_len;
-    s.max_q_len = a->max_q_len;
-    s.max_k_len = a->max_k_len;
-    s.q_rows = a->q_rows;
-    s.k_rows = a->k_rows;
-    s.bad_index = a->bad_index;
-    return s;
-}
 
 template <bool BF16, int D>
 int run_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
-    FwdParams p;
-    p.q = a->q;
-    p.k = a->k;
-    p.v = a->v;
-    p.out = a->out;
-    p.lse = a->lse;
-    p.seq = sequences(a);
-    p.heads_q = (int)a->heads_q;
-    p.heads_kv = (int)a->heads_kv;
-    p.group = (int)(a->heads_q / a->heads_kv);
-    p.causal = a->causal != 0;
-    p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
-    p.partials = (float *)a->workspace;
-    p.num_segments = (int)split_segments(a);
-    p.rows_total = a->batch * a->max_q_len * a->heads_q;
-    if (p.rows_total == 0) return RLK_OK;
-
-    cudaError_t err;
-    if (schedule == SCHEDULE_PREFILL) {
-        using Tiles = FwdTiles<D, false>;
-        auto kernel = attention_fwd_kernel<BF16, D, false>;
-        const int64_t tiles = (a->max_q_len + Tiles::ROWS - 1) / Tiles::ROWS;
-        if (tiles > 65535) return RLK_UNSUPPORTED;
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::SMEM_BYTES);
-        if (err != cudaSuccess) return (int)err;
-        kernel<<<dim3((unsigned)a->heads_q, (unsigned)tiles, (unsigned)a->batch), Tiles::THREADS, Tiles::SMEM_BYTES,
-                 stream>>>(p);
-        return (int)cudaGetLastError();
-    }
-    using Tiles = FwdTiles<D, true>;
-    const int64_t row_tiles = (a->max_q_len * p.group + Tiles::ROWS - 1) / Tiles::ROWS;
-    if (row_tiles * a->heads_kv > 65535) return RLK_UNSUPPORTED;
-    if (p.num_segments > 0) {
-        auto kernel = attention_fwd_kernel<BF16, D, true>;
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::SMEM_BYTES);
-        if (err != cudaSuccess) return (int)err;
-        kernel<<<dim3((unsigned)p.num_segments, (unsigned)(row_tiles * a->heads_kv), (unsigned)a->batch),
-                 Tiles::THREADS, Tiles::SMEM_BYTES, stream>>>(p);
-        err = cudaGetLastError();
-        if (err != cudaSuccess) return (int)err;
-    }
-    constexpr int ROWS_PER_CTA = 128 / (D / 4);
-    attention_combine_kernel<BF16, D>
-        <<<(unsigned)((p.rows_total + ROWS_PER_CTA - 1) / ROWS_PER_CTA), 128, 0, stream>>>(p);
-    return (int)cudaGetLastError();
+    return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
+                                        attention_fwd_kernel<BF16, D, true>);
 }
 
 }  // namespace
@@ -801,7 +579,7 @@ int run_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stre
 /* Test hook: schedule 1 forces the prefill kernel, 2 the split-KV kernels, 0 picks as the
  * launcher does. The bits do not depend on it. */
 extern "C" int rlk_attention_fwd_sm90_forced(const rlk_attention_args *args, rlk_context *ctx, int schedule) {
-    if (!supported(args)) return RLK_UNSUPPORTED;
+    if (!supported(args, false)) return RLK_UNSUPPORTED;
     const FwdSchedule s = pick_schedule(args, schedule);
     ctx->kernel = s == SCHEDULE_SPLIT ? "attention_fwd_split_sm90" : "attention_fwd_sm90";
     if (ctx->plan_only) {

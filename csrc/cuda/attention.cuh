@@ -1,0 +1,276 @@
+/* cuda/attention.cuh: what the attention forward of every architecture (sm80/attention.cu on
+ * mma.sync, sm90/attention.cu on wgmma) shares: the per-sequence ranges and their check (a sequence
+ * that breaks the contract is skipped and raises *bad_index), the contract's scaled(m), the row
+ * state of a thread's two rows, the segment merge (merge_segment) and the normalization
+ * (finalize_row), the forward's kernel parameters, the split-KV combine kernel, and the host side:
+ * the layout checks (supported), the schedule choice, the split workspace and the forward launch
+ * (launch_fwd; each backend supplies its tile plan and attention_fwd_kernel). The contract is
+ * csrc/ops/attention.h.
+ *
+ * The merge and the normalization are the contract's "one shared function per backend": both
+ * schedules of a backend (prefill kernel, split kernel + combine kernel) call them, every product
+ * and sum in them an explicitly rounded intrinsic, exp2 / log2 ex2.approx.ftz / lg2.approx.ftz. Each
+ * backend compiles its own copy; the bits of a row still differ between backends (their S and P V).
+ *
+ * Everything here has internal linkage (an unnamed namespace, as in the .cu files that include it):
+ * each .cu file gets its own copy, compiled for its own architectures.
+ */
+#ifndef RLK_CUDA_ATTENTION_CUH_
+#define RLK_CUDA_ATTENTION_CUH_
+
+#include <math.h>
+#include <stdint.h>
+
+#include "../ops/attention.h"
+#include "common.cuh"
+
+namespace {
+
+constexpr int BLOCK_N = RLK_ATTENTION_BLOCK_N;
+constexpr int SEGMENT = RLK_ATTENTION_SEGMENT;
+constexpr int BLOCKS_PER_SEGMENT = SEGMENT / BLOCK_N;
+static_assert(SEGMENT % BLOCK_N == 0, "a segment is whole blocks");
+
+constexpr float LN2 = 0.6931471805599453f;
+constexpr int SPLIT_ROWS = 64; /* rows of a split-schedule CTA: (query, head in group) pairs */
+
+/* ------------------------------------ shared arithmetic ------------------------------------- */
+
+__device__ __forceinline__ float log2_approx(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* Keys 0 .. L-1 of its sequence that query i sees (bottom-right causal alignment). */
+__device__ __forceinline__ int visible_keys(int i, int q_len, int k_len, int causal) {
+    if (!causal) return k_len;
+    return min(max(k_len - q_len + i + 1, 0), k_len);
+}
+
+/* The per-sequence ranges (device arrays) and the bounds the contract holds them to. */
+struct Sequences {
+    const int32_t *q_start, *q_len, *k_start, *k_len;
+    int64_t max_q_len, max_k_len, q_rows, k_rows;
+    int32_t *bad_index; /* host-mapped; may be null */
+};
+
+struct SequenceRange {
+    int64_t q_start, k_start;
+    int q_len, k_len;
+};
+
+/* Sequence b's ranges. One that breaks the contract (negative, longer than max_q_len / max_k_len,
+ * past the storage rows) is skipped: false, and the host-mapped flag raised for the caller. */
+__device__ __forceinline__ bool load_sequence(const Sequences &s, int b, SequenceRange &r) {
+    r.q_start = s.q_start[b];
+    r.k_start = s.k_start[b];
+    r.q_len = s.q_len[b];
+    r.k_len = s.k_len[b];
+    const bool ok = r.q_len >= 0 && r.q_len <= s.max_q_len && r.q_start >= 0 && r.q_start + r.q_len <= s.q_rows &&
+                    r.k_len >= 0 && r.k_len <= s.max_k_len && r.k_start >= 0 && r.k_start + r.k_len <= s.k_rows;
+    if (!ok && s.bad_index) *(volatile int32_t *)s.bad_index = 1;
+    return ok;
+}
+
+/* The contract's scaled(m) = round(m * c), 0 while m = -inf. States keep m only and recompute its
+ * scaled value where it is needed (same bits, fewer live registers). */
+__device__ __forceinline__ float scaled(float m, float c) { return m == -INFINITY ? 0.0f : __fmul_rn(m, c); }
+
+/* The softmax state of a thread's two rows of an MMA accumulator tile, row h = 0, 1 eight rows apart
+ * (sm80: rows lane / 4 and + 8 of a warp's m16 tile; sm90: rows 16 w + lane / 4 and + 8 of warp w of
+ * a warpgroup's m64 tile): running max m and running sum l. */
+struct RowPair {
+    float m[2], l[2];
+};
+
+__device__ __forceinline__ void set_empty(RowPair &st) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        st.m[h] = -INFINITY;
+        st.l[h] = 0.0f;
+    }
+}
+
+/* Merges a segment state (m_g, l_g, acc_g) into a row state (m, l, o), N columns of the row: the
+ * prefill kernel and the combine kernel both call this, so the merge is the same rounded sequence
+ * in both schedules. A segment the row cannot see (m_g = -inf) leaves it untouched. */
+template <int N>
+__device__ __forceinline__ void merge_segment(float &m, float &l, float (&o)[N], float m_g, float l_g,
+                                              const float (&acc_g)[N], float c) {
+    if (m_g == -INFINITY) return;
+    const float m_new = fmaxf(m, m_g);
+    const float ms_new = scaled(m_new, c);
+    const float a = m == -INFINITY ? 0.0f : (m_new == m ? 1.0f : exp2_approx(__fsub_rn(scaled(m, c), ms_new)));
+    const float b = m_g == m_new ? 1.0f : exp2_approx(__fsub_rn(scaled(m_g, c), ms_new));
+    l = __fmaf_rn(a, l, __fmul_rn(b, l_g));
+#pragma unroll
+    for (int k = 0; k < N; ++k) o[k] = __fmaf_rn(a, o[k], __fmul_rn(b, acc_g[k]));
+    m = m_new;
+}
+
+/* out = o * (1 / l) and lse = (scaled(m) + log2 l) ln 2; a row that saw no key: out = 0, lse = -inf.
+ * Both schedules normalize with this. */
+template <int N>
+__device__ __forceinline__ void finalize_row(float m, float l, const float (&o)[N], float (&y)[N], float &lse, float c) {
+    const bool empty = l == 0.0f;
+    const float inv = empty ? 0.0f : __frcp_rn(l);
+#pragma unroll
+    for (int k = 0; k < N; ++k) y[k] = __fmul_rn(o[k], inv);
+    lse = empty ? -INFINITY : __fmul_rn(__fadd_rn(scaled(m, c), log2_approx(l)), LN2);
+}
+
+/* ------------------------------------ forward ----------------------------------------------- */
+
+struct FwdParams {
+    rlk_attention_tensor q, k, v, out, lse;
+    Sequences seq;
+    int heads_q, heads_kv, group, causal;
+    float scale_log2; /* c = softmax_scale * log2(e) */
+    float *partials;  /* split: [batch][max_q_len][heads_q][num_segments] records {m, l, 0, 0, acc[D]} */
+    int num_segments;
+    int64_t rows_total; /* combine: batch * max_q_len * heads_q */
+};
+
+__device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tensor &t, int b, int64_t row, int head) {
+    return (const uint16_t *)t.data + b * t.batch_stride + row * t.row_stride + head * t.head_stride;
+}
+
+/* Split schedule, second kernel: row (b, i, h) merges its segments 0 .. ceil(L / 512) - 1 in order
+ * and normalizes, with the prefill kernel's merge_segment and finalize_row. D / 4 threads per row,
+ * 4 consecutive columns each. */
+template <bool BF16, int D>
+__global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams p) {
+    constexpr int LANES = D / 4, ROWS_PER_CTA = 128 / LANES;
+    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_CTA + threadIdx.x / LANES;
+    const int j = threadIdx.x % LANES;
+    if (row >= p.rows_total) return;
+    const int head = (int)(row % p.heads_q);
+    const int64_t bi = row / p.heads_q;
+    const int i = (int)(bi % p.seq.max_q_len), b = (int)(bi / p.seq.max_q_len);
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range) || i >= range.q_len) return;
+    const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
+
+    float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float *rec = p.partials + row * p.num_segments * (D + 4);
+    for (int s = 0; s < segments; ++s, rec += D + 4) {
+        const float2 st = *(const float2 *)rec;
+        const float4 a = *(const float4 *)(rec + 4 + 4 * j);
+        const float acc[4] = {a.x, a.y, a.z, a.w};
+        merge_segment<4>(m, l, o, st.x, st.y, acc, p.scale_log2);
+    }
+    float y[4], lse;
+    finalize_row<4>(m, l, o, y, lse, p.scale_log2);
+    uint16_t *dst = (uint16_t *)row_address(p.out, b, range.q_start + i, head) + 4 * j;
+    *(uint2 *)dst = make_uint2(pack_half2<BF16>(y[0], y[1]), pack_half2<BF16>(y[2], y[3]));
+    if (j == 0 && p.lse.data)
+        ((float *)p.lse.data)[b * p.lse.batch_stride + (range.q_start + i) * p.lse.row_stride +
+                              head * p.lse.head_stride] = lse;
+}
+
+/* ------------------------------------ host -------------------------------------------------- */
+
+enum FwdSchedule { SCHEDULE_AUTO = 0, SCHEDULE_PREFILL = 1, SCHEDULE_SPLIT = 2 };
+
+bool layout_ok(const rlk_attention_tensor &t) {
+    return (uintptr_t)t.data % 16 == 0 && t.batch_stride % 8 == 0 && t.row_stride % 8 == 0 && t.head_stride % 8 == 0;
+}
+
+/* What the kernels take: dtype, head_dim, head grouping, 16-byte rows, grid limits; backward (sm80):
+ * also dout, dq, dk, dv and an lse. Every backend's forward checks exactly this, so which backend
+ * runs a call never depends on its row counts. */
+bool supported(const rlk_attention_args *a, bool backward) {
+    if (a->dtype != RLK_BF16 && a->dtype != RLK_F16) return false;
+    if (a->head_dim != 64 && a->head_dim != 128) return false;
+    if (a->batch < 0 || a->batch > 65535 || a->heads_kv < 1 || a->heads_q % a->heads_kv != 0 || a->heads_q > 65535)
+        return false;
+    if (a->max_q_len < 0 || a->max_k_len < 0 || a->max_q_len > (1 << 22) || a->max_k_len > (1 << 30)) return false;
+    if (!layout_ok(a->q) || !layout_ok(a->k) || !layout_ok(a->v) || !layout_ok(a->out)) return false;
+    if (backward && (!layout_ok(a->dout) || !layout_ok(a->dq) || !layout_ok(a->dk) || !layout_ok(a->dv) || !a->lse.data))
+        return false;
+    return true;
+}
+
+FwdSchedule pick_schedule(const rlk_attention_args *a, int forced) {
+    if (forced == SCHEDULE_PREFILL || forced == SCHEDULE_SPLIT) return (FwdSchedule)forced;
+    /* a scheduling choice only: both give the same bits */
+    return a->max_q_len * (a->heads_q / a->heads_kv) <= SPLIT_ROWS ? SCHEDULE_SPLIT : SCHEDULE_PREFILL;
+}
+
+int64_t split_segments(const rlk_attention_args *a) { return (a->max_k_len + SEGMENT - 1) / SEGMENT; }
+
+int64_t split_workspace_bytes(const rlk_attention_args *a) {
+    return a->batch * a->max_q_len * a->heads_q * split_segments(a) * (a->head_dim + 4) * (int64_t)sizeof(float);
+}
+
+Sequences sequences(const rlk_attention_args *a) {
+    Sequences s;
+    s.q_start = a->q_start;
+    s.q_len = a->q_len;
+    s.k_start = a->k_start;
+    s.k_len = a->k_len;
+    s.max_q_len = a->max_q_len;
+    s.max_k_len = a->max_k_len;
+    s.q_rows = a->q_rows;
+    s.k_rows = a->k_rows;
+    s.bad_index = a->bad_index;
+    return s;
+}
+
+/* The forward of a backend on `stream`: the prefill kernel over (head, 64- or 128-row tile, sequence),
+ * or the split kernel over (segment, row tile x kv head, sequence) and then the combine kernel.
+ * Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES); prefill and split are its
+ * attention_fwd_kernel<BF16, D, false> and <BF16, D, true>. */
+template <bool BF16, int D, template <int, bool> class Tiles>
+int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream, void (*prefill)(FwdParams),
+               void (*split)(FwdParams)) {
+    static_assert(Tiles<D, true>::ROWS == SPLIT_ROWS, "pick_schedule sizes the split schedule by its CTA rows");
+    FwdParams p;
+    p.q = a->q;
+    p.k = a->k;
+    p.v = a->v;
+    p.out = a->out;
+    p.lse = a->lse;
+    p.seq = sequences(a);
+    p.heads_q = (int)a->heads_q;
+    p.heads_kv = (int)a->heads_kv;
+    p.group = (int)(a->heads_q / a->heads_kv);
+    p.causal = a->causal != 0;
+    p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
+    p.partials = (float *)a->workspace;
+    p.num_segments = (int)split_segments(a);
+    p.rows_total = a->batch * a->max_q_len * a->heads_q;
+    if (p.rows_total == 0) return RLK_OK;
+
+    cudaError_t err;
+    if (schedule == SCHEDULE_PREFILL) {
+        using PrefillTiles = Tiles<D, false>;
+        const int64_t tiles = (a->max_q_len + PrefillTiles::ROWS - 1) / PrefillTiles::ROWS;
+        if (tiles > 65535) return RLK_UNSUPPORTED;
+        err = cudaFuncSetAttribute(prefill, cudaFuncAttributeMaxDynamicSharedMemorySize, PrefillTiles::SMEM_BYTES);
+        if (err != cudaSuccess) return (int)err;
+        prefill<<<dim3((unsigned)a->heads_q, (unsigned)tiles, (unsigned)a->batch), PrefillTiles::THREADS,
+                  PrefillTiles::SMEM_BYTES, stream>>>(p);
+        return (int)cudaGetLastError();
+    }
+    using SplitTiles = Tiles<D, true>;
+    const int64_t row_tiles = (a->max_q_len * p.group + SplitTiles::ROWS - 1) / SplitTiles::ROWS;
+    if (row_tiles * a->heads_kv > 65535) return RLK_UNSUPPORTED;
+    if (p.num_segments > 0) {
+        err = cudaFuncSetAttribute(split, cudaFuncAttributeMaxDynamicSharedMemorySize, SplitTiles::SMEM_BYTES);
+        if (err != cudaSuccess) return (int)err;
+        split<<<dim3((unsigned)p.num_segments, (unsigned)(row_tiles * a->heads_kv), (unsigned)a->batch),
+                SplitTiles::THREADS, SplitTiles::SMEM_BYTES, stream>>>(p);
+        err = cudaGetLastError();
+        if (err != cudaSuccess) return (int)err;
+    }
+    constexpr int ROWS_PER_CTA = 128 / (D / 4);
+    attention_combine_kernel<BF16, D>
+        <<<(unsigned)((p.rows_total + ROWS_PER_CTA - 1) / ROWS_PER_CTA), 128, 0, stream>>>(p);
+    return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+#endif /* RLK_CUDA_ATTENTION_CUH_ */
