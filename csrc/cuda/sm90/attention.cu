@@ -35,14 +35,8 @@
  * 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB; + 1 KB in which the
  * mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no spills): prefill 168
  * at entry (consumers then 232, they need <= 168; producer 40), split 128 (consumer 216), combine 31.
- * Measured (H100, bf16, d = 128, causal, GQA 32/8, 16k tokens per batch, tmp script with the bench's
- * interleaved timing): prefill forward 228 / 345 / 370 TFLOP/s at T = 1k / 4k / 16k (sm80 kernels
- * 193 / 247 / 246, SDPA flash 271 / 331 / 329, cuDNN 471 / 598 / 651); decode over an 8k cache
- * 38 us at B = 1, 2.5 TB/s at B = 16, 2.86 TB/s at B = 64 (as the sm80 split kernel: memory bound).
- * What limits the prefill: S = Q K^T as m64n64k16 with both operands from shared memory reads 4 KB
- * of operands per 131 kFLOP (about the shared-memory bandwidth at tensor-core rate), the 64-key
- * blocks of the contract halve the wgmma N of S and double the softmax bookkeeping per FLOP against
- * FlashAttention-3's 128-key blocks, and every wgmma group is waited for before its softmax.
+ * Speed, what limits it and what was tried: docs/perf-notes.md ("Attention forward on wgmma");
+ * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
  * Why the two schedules give the same bits for a row:
  *   - the block update (softmax_block, then issue_pv), the segment merge (merge_segment) and the
