@@ -250,9 +250,10 @@ def test_fp32_inputs_use_exact_fp32_path():
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_cuda_graph_capture(backend):
-    a = cuda_randn(256, 1024, seed=20)
-    w = cuda_randn(512, 1024, seed=21)
+@pytest.mark.parametrize("m,n", [(256, 512), (1025, 4096)])  # (1025, 4096): stream-K on sm90
+def test_cuda_graph_capture(backend, m, n):
+    a = cuda_randn(m, 1024, seed=20)
+    w = cuda_randn(n, 1024, seed=21)
     expected = rl_kernels.det_gemm(a, w.t(), backend=backend)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -262,7 +263,7 @@ def test_cuda_graph_capture(backend):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = rl_kernels.det_gemm(a, w.t(), backend=backend)
-    a.copy_(cuda_randn(256, 1024, seed=22))
+    a.copy_(cuda_randn(m, 1024, seed=22))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, rl_kernels.det_gemm(a, w.t(), backend=backend))
