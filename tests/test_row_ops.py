@@ -561,6 +561,22 @@ def test_rms_norm_weight_gradient_with_round_before_weight_uses_the_rounded_h():
     assert_within(dw, wt.grad.double(), ulp(wt.grad.double(), torch.bfloat16) * 2, "vs transformers dweight")
 
 
+def test_rms_norm_with_a_parameter_weight_runs_eagerly_and_still_records_autograd(monkeypatch):
+    """nn.Parameter weights (every RMSNorm module's) take the direct eager path under no_grad, with
+    the bits of a plain tensor weight; with grad on they go through the op and get gradients."""
+    x = randn(5, 96, dtype=torch.bfloat16, seed=41)
+    w = torch.nn.Parameter(randn(96, dtype=torch.bfloat16, seed=42))
+    plain = rl_kernels.rms_norm(x, w.detach(), round_before_weight=True)
+    with torch.no_grad():
+        with monkeypatch.context() as m:  # the registered op must not be reached
+            m.setattr(torch.ops.rl_kernels, "rms_norm", None)
+            assert torch.equal(rl_kernels.rms_norm(x, w, round_before_weight=True), plain)
+    dy = randn(5, 96, dtype=torch.bfloat16, seed=43)
+    rl_kernels.rms_norm(x, w, round_before_weight=True).backward(dy)
+    _, _, dw = grads_of(lambda x, w: rl_kernels.rms_norm(x, w, round_before_weight=True), x, w.detach(), dy)
+    assert torch.equal(w.grad, dw)
+
+
 # --------------------------------------------------------------------------------------------
 # Bitwise batch invariance
 # --------------------------------------------------------------------------------------------

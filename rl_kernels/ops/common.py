@@ -41,17 +41,21 @@ def backend_and_stream(op: str, device: torch.device, backend: str | None) -> tu
     return code, 0
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_function__
+
+
 def eager_direct(*tensors) -> bool:
-    """True when a call can skip the torch.library dispatcher: eager mode, plain tensors (None
-    allowed), and no autograd graph to record. Otherwise the call goes through the registered op
-    (torch.compile, autograd). It runs on every call, so it stays a flat loop."""
+    """True when a call can skip the torch.library dispatcher: eager mode, plain tensors or
+    parameters (None allowed), and no autograd graph to record. Otherwise the call goes through the
+    registered op (torch.compile, tensor subclasses, autograd). It runs on every call, so it stays
+    a flat loop."""
     if _is_compiling():
         return False
     grad = _grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+        if type(t) not in _PLAIN_TENSORS or (grad and t.requires_grad):
             return False
     return True
 
