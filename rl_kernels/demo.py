@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     violations = rows[1][6]
     print("times: wall clock after a warm-up with the same shapes; the trainer's include the "
           "comparison")
-    print(f"\nrl_kernels.strict() in the trainer's forward: "
+    print("\nrl_kernels.strict() in the trainer's forward: "
           + ("no op that may break batch invariance" if not violations else
              "; ".join(f"{v.op} x{v.count}" for v in violations)))
     ok = rows[1][1] == 0
