@@ -46,6 +46,16 @@ def randn(*shape, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
 GEMM_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 
+def pack_sequences(parts):
+    """Packed (q, k, v, cu_seqlens) of [1, T, H, d] (q, k, v) sequences; cu_seqlens int32 on their
+    device."""
+    cu = [0]
+    for q, _, _ in parts:
+        cu.append(cu[-1] + q.shape[1])
+    return (torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts]),
+            torch.cat([p[2][0] for p in parts]), torch.tensor(cu, dtype=torch.int32, device=parts[0][0].device))
+
+
 def attention_reference(q, k, v, causal=True, scale=None):
     """fp64 attention of [B, Tq, Hq, d] / [B, Tk, Hkv, d] with every row real (on q's device): out
     [B, Tq, Hq, d] and lse [B, Hq, Tq]. Bottom-right causal mask; a row that sees no key gets out 0,

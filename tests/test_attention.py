@@ -10,7 +10,7 @@ import torch
 
 import rl_kernels
 from rl_kernels import kernel_registry
-from conftest import attention_reference, grads_of, leaves, randn, rel_err
+from conftest import attention_reference, grads_of, leaves, pack_sequences, randn, rel_err
 
 # rel_err of out against fp64 of the same rounded inputs: fp32 keeps ~1e-7 per element; bf16 / fp16
 # add the output rounding (and P rounded to the dtype for the PV product).
@@ -268,15 +268,6 @@ def _sequences(lengths, hq=4, hkv=2, d=64, dtype=torch.bfloat16, seed=30):
     return [qkv(1, n, n, hq, hkv, d, dtype, seed=seed + 3 * i) for i, n in enumerate(lengths)]
 
 
-def _pack(parts):
-    """Packed (q, k, v, cu_seqlens) of [1, T, H, d] sequences."""
-    cu = [0]
-    for q, _, _ in parts:
-        cu.append(cu[-1] + q.shape[1])
-    return (torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts]),
-            torch.cat([p[2][0] for p in parts]), i32(cu))
-
-
 PACK_LENGTHS = [1100, 5, 0, 64, 65, 300, 1]
 
 
@@ -285,7 +276,7 @@ def test_packed_sequences_bitwise_equal_alone_in_any_order(causal):
     seqs = _sequences(PACK_LENGTHS)
     alone = [rl_kernels.attention(q, k, v, causal=causal, return_lse=True) for q, k, v in seqs]
     for order in ([0, 1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1, 0], [3, 0, 6, 2, 5, 1, 4]):
-        q, k, v, cu = _pack([seqs[i] for i in order])
+        q, k, v, cu = pack_sequences([seqs[i] for i in order])
         out, lse = rl_kernels.attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                         return_lse=True)
         for pos, i in enumerate(order):
@@ -315,7 +306,7 @@ def test_left_and_right_padding_bitwise_equal_packed(causal):
     packed unpadded result; padding rows of out are 0 and of lse -inf."""
     lengths = [1100, 70, 513]
     seqs = _sequences(lengths, seed=50)
-    q, k, v, cu = _pack(seqs)
+    q, k, v, cu = pack_sequences(seqs)
     packed, packed_lse = rl_kernels.attention(q, k, v, causal=causal, cu_seqlens_q=cu,
                                               cu_seqlens_k=cu, return_lse=True)
     t = 1120
@@ -394,7 +385,7 @@ def test_backward_rows_invariant_to_batch_composition():
     fn = lambda q, k, v: rl_kernels.attention(q, k, v)  # noqa: E731
     alone = [grads_of(fn, *s, c) for s, c in zip(seqs, cots)]
     order = [2, 0, 1]
-    q, k, v, cu = _pack([seqs[i] for i in order])
+    q, k, v, cu = pack_sequences([seqs[i] for i in order])
     cot = torch.cat([cots[i][0] for i in order])
     packed = grads_of(lambda q, k, v: rl_kernels.attention(q, k, v, cu_seqlens_q=cu,
                                                            cu_seqlens_k=cu), q, k, v, cot)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import rl_kernels
 from rl_kernels import kernel_registry
-from conftest import HAS_CUDA, attention_reference, grads_of, leaves, rel_err
+from conftest import HAS_CUDA, attention_reference, grads_of, leaves, pack_sequences, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -192,14 +192,6 @@ def _sequences(lengths, hq=32, hkv=8, d=128, seed=30):
     return [qkv(1, n, n, hq, hkv, d, seed=seed + 3 * i) for i, n in enumerate(lengths)]
 
 
-def _pack(parts):
-    cu = [0]
-    for q, _, _ in parts:
-        cu.append(cu[-1] + q.shape[1])
-    return (torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts]),
-            torch.cat([p[2][0] for p in parts]), i32(cu))
-
-
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_packing_orders_and_padding_bitwise(backend, causal):
@@ -207,7 +199,7 @@ def test_packing_orders_and_padding_bitwise(backend, causal):
     seqs = _sequences(lengths)
     alone = [rl_kernels.attention(*s, causal=causal, return_lse=True, backend=backend) for s in seqs]
     for order in ([0, 1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1, 0], [3, 0, 6, 2, 5, 1, 4]):
-        q, k, v, cu = _pack([seqs[i] for i in order])
+        q, k, v, cu = pack_sequences([seqs[i] for i in order])
         out, lse = rl_kernels.attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                         return_lse=True, backend=backend)
         for slot, i in enumerate(order):
@@ -238,7 +230,7 @@ def test_decode_batch_1_vs_16_and_stale_nan(backend):
     sequence decoded alone and its prefill's row."""
     lengths = [1, 2, 63, 64, 65, 127, 511, 512, 513, 1000, 1023, 1024, 1025, 1999, 2000, 37]
     seqs = _sequences(lengths, seed=40)
-    q, k, v, cu = _pack(seqs)
+    q, k, v, cu = pack_sequences(seqs)
     prefill = rl_kernels.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend)
     k_cache = torch.full((16, 2048, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     v_cache = k_cache.clone()
@@ -318,7 +310,7 @@ def test_backward_deterministic_and_dq_rows_invariant(backend):
         again = grads_of(fn, *seqs[0], cots[0])
         assert all(torch.equal(x, y) for x, y in zip(again, alone[0])), "run to run"
     order = [2, 0, 1]
-    q, k, v, cu = _pack([seqs[i] for i in order])
+    q, k, v, cu = pack_sequences([seqs[i] for i in order])
     cot = torch.cat([cots[i][0] for i in order])
     packed_fn = lambda q, k, v: rl_kernels.attention(q, k, v, cu_seqlens_q=cu,  # noqa: E731
                                                      cu_seqlens_k=cu, backend=backend)
