@@ -152,17 +152,20 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
-    /* stream-K is a choice of schedule only: a call planned without scratch memory gives the same bits */
-    const gemm_plan plan = choose_plan(args->M, args->N, args->K, !args->b_trans, true, num_sms);
+    gemm_plan plan = choose_plan(args->M, args->N, args->K, !args->b_trans, true, num_sms);
     if (ctx->plan_only) {
         if (plan.stream_k)
             ctx->workspace_bytes = stream_k_workspace_bytes(config_bn[plan.config], config_consumers[plan.config], num_sms);
         return RLK_OK;
     }
+    /* stream-K is a choice of schedule only: a call given no scratch memory runs the best plan without
+     * it, with the same bits */
+    if (plan.stream_k && !args->workspace)
+        plan = choose_plan(args->M, args->N, args->K, !args->b_trans, false, num_sms);
     gemm_sm90_params p = gemm_params(args);
-    const int config = args->workspace ? plan.config : choose_plan(args->M, args->N, args->K, !args->b_trans, false, num_sms).config;
-    p.stream_k = args->workspace && plan.stream_k;
+    p.stream_k = plan.stream_k;
     p.partials = (float *)args->workspace;
+    const int config = plan.config;
 
     const cudaStream_t s = (cudaStream_t)ctx->stream;
     if (args->in_dtype == RLK_BF16)
