@@ -132,6 +132,53 @@ struct FwdParams {
     int64_t rows_total; /* combine: batch * max_q_len * heads_q */
 };
 
+/* The rows and key blocks a forward CTA owns, decoded from the grid launch_fwd lays out (below):
+ * prefill (head, row tile counted from the last: the causal tiles with the most keys start first,
+ * sequence); split (segment, row tile x kv head, sequence). CTA row r is query (row0 + r) /
+ * rows_per_query of head head0 + (row0 + r) % rows_per_query; key blocks [block_begin, block_end). */
+struct FwdCta {
+    SequenceRange range;
+    int segment, kv_head, head0, row0, rows_per_query, rows_in, block_begin, block_end, causal;
+
+    __device__ __forceinline__ int query_of(int r) const { return (row0 + r) / rows_per_query; }
+    __device__ __forceinline__ int head_of(int r) const { return head0 + (row0 + r) % rows_per_query; }
+    __device__ __forceinline__ int len_of(int r) const {
+        return visible_keys(query_of(r), range.q_len, range.k_len, causal);
+    }
+};
+
+/* Fills cta for this CTA of the ROWS-row tiles; false when it has nothing to do (its sequence is
+ * out of range, its tile past the sequence's rows, or its segment past the keys its rows see). */
+template <int ROWS, bool SPLIT>
+__device__ __forceinline__ bool fwd_cta(const FwdParams &p, FwdCta &cta) {
+    if (!load_sequence(p.seq, blockIdx.z, cta.range)) return false;
+    cta.causal = p.causal;
+    cta.segment = 0;
+    if (SPLIT) {
+        cta.segment = blockIdx.x;
+        cta.kv_head = blockIdx.y % p.heads_kv;
+        cta.row0 = (blockIdx.y / p.heads_kv) * ROWS;
+        cta.rows_per_query = p.group;
+        cta.head0 = cta.kv_head * p.group;
+    } else {
+        cta.head0 = blockIdx.x;
+        cta.kv_head = cta.head0 / p.group;
+        cta.row0 = (gridDim.y - 1 - blockIdx.y) * ROWS;
+        cta.rows_per_query = 1;
+    }
+    cta.rows_in = min(ROWS, cta.range.q_len * cta.rows_per_query - cta.row0);
+    if (cta.rows_in <= 0) return false;
+    /* rows are in increasing query order, so the last row sees the most keys */
+    cta.block_begin = 0;
+    cta.block_end = (cta.len_of(cta.rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
+    if (SPLIT) {
+        cta.block_begin = cta.segment * BLOCKS_PER_SEGMENT;
+        if (cta.block_begin >= cta.block_end) return false;
+        cta.block_end = min(cta.block_end, cta.block_begin + BLOCKS_PER_SEGMENT);
+    }
+    return true;
+}
+
 __device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tensor &t, int b, int64_t row, int head) {
     return (const uint16_t *)t.data + b * t.batch_stride + row * t.row_stride + head * t.head_stride;
 }

@@ -308,67 +308,39 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.z;
-    SequenceRange range;
-    if (!load_sequence(p.seq, b, range)) return;
-    const int q_len = range.q_len, k_len = range.k_len;
-
-    /* CTA row r is (query (row0 + r) / rows_per_query, head head0 + (row0 + r) % rows_per_query) */
-    int row0, rows_per_query, head0, kv_head, segment = 0;
-    if (SPLIT) {
-        segment = blockIdx.x;
-        kv_head = blockIdx.y % p.heads_kv;
-        row0 = (blockIdx.y / p.heads_kv) * ROWS;
-        rows_per_query = p.group;
-        head0 = kv_head * p.group;
-    } else {
-        head0 = blockIdx.x;
-        kv_head = head0 / p.group;
-        row0 = (gridDim.y - 1 - blockIdx.y) * ROWS; /* the causal tiles with the most keys first */
-        rows_per_query = 1;
-    }
-    const int rows_in = min(ROWS, q_len * rows_per_query - row0);
-    if (rows_in <= 0) return;
-    auto query_of = [&](int r) { return (row0 + r) / rows_per_query; };
-    auto head_of = [&](int r) { return head0 + (row0 + r) % rows_per_query; };
-    auto len_of = [&](int r) { return visible_keys(query_of(r), q_len, k_len, p.causal); };
-
-    /* rows are in increasing query order, so the last row sees the most keys */
-    int block_begin = 0, block_end = (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
-    if (SPLIT) {
-        block_begin = segment * BLOCKS_PER_SEGMENT;
-        if (block_begin >= block_end) return;
-        block_end = min(block_end, block_begin + BLOCKS_PER_SEGMENT);
-    }
-    const int blocks = block_end - block_begin;
+    FwdCta cta;
+    if (!fwd_cta<ROWS, SPLIT>(p, cta)) return;
+    const int blocks = cta.block_end - cta.block_begin;
     const int warp_row0 = warp * 16;
-    const bool warp_has_rows = warp_row0 < rows_in;
-    const int warp_max_len = warp_has_rows ? len_of(min(warp_row0 + 15, rows_in - 1)) : 0;
-    const int warp_min_len = warp_has_rows ? len_of(warp_row0) : 0;
+    const bool warp_has_rows = warp_row0 < cta.rows_in;
+    const int warp_max_len = warp_has_rows ? cta.len_of(min(warp_row0 + 15, cta.rows_in - 1)) : 0;
+    const int warp_min_len = warp_has_rows ? cta.len_of(warp_row0) : 0;
     int row_len[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = warp_row0 + (lane >> 2) + 8 * h;
-        row_len[h] = r < rows_in ? len_of(r) : 0;
+        row_len[h] = r < cta.rows_in ? cta.len_of(r) : 0;
     }
 
-    const int64_t q_row0 = range.q_start, k_row0 = range.k_start;
+    const int64_t q_row0 = cta.range.q_start, k_row0 = cta.range.k_start;
     load_rows_async<D, ROWS, THREADS>(
         q_tile,
         [&](int r) -> const uint16_t * {
-            return r < rows_in ? row_address(p.q, b, q_row0 + query_of(r), head_of(r)) : nullptr;
+            return r < cta.rows_in ? row_address(p.q, b, q_row0 + cta.query_of(r), cta.head_of(r)) : nullptr;
         },
         p.q.data, tid);
     cp_async_commit();
     /* K and V of relative block j go to stage j % STAGES, loaded once each in increasing j, so this
      * thread's source rows are two running pointers; V rows past k_len are zeros (p = 0 there, and
      * 0 * (stale NaN) would poison acc) */
-    const int64_t thread_row = k_row0 + block_begin * BLOCK_N + tid / (D / 8), thread_col = 8 * (tid % (D / 8));
-    const uint16_t *k_src = row_address(p.k, b, thread_row, kv_head) + thread_col;
-    const uint16_t *v_src = row_address(p.v, b, thread_row, kv_head) + thread_col;
+    const int64_t thread_row = k_row0 + cta.block_begin * BLOCK_N + tid / (D / 8);
+    const int64_t thread_col = 8 * (tid % (D / 8));
+    const uint16_t *k_src = row_address(p.k, b, thread_row, cta.kv_head) + thread_col;
+    const uint16_t *v_src = row_address(p.v, b, thread_row, cta.kv_head) + thread_col;
     auto load_block = [&](int j) { /* one commit group per block, empty past the last */
         if (j < blocks) {
             const uint32_t dst = kv_ring + (j % STAGES) * 2 * KV_BYTES;
-            const int keys_in = k_len - (block_begin + j) * BLOCK_N;
+            const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
             load_thread_rows_async<D, BLOCK_N, THREADS>(dst, k_src, p.k.row_stride, keys_in, p.k.data, tid);
             load_thread_rows_async<D, BLOCK_N, THREADS>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, tid);
             k_src += BLOCK_N * p.k.row_stride;
@@ -402,7 +374,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         __syncthreads();             /* and every warp is done with the stage refilled below */
         load_block(it + STAGES - 1);
 
-        const int n = block_begin + it, key0 = n * BLOCK_N;
+        const int n = cta.block_begin + it, key0 = n * BLOCK_N;
         if (key0 < warp_max_len) {
             const uint32_t k_tile = kv_ring + (it % STAGES) * 2 * KV_BYTES;
             attend_block<BF16, D>(qf, k_tile, k_tile + KV_BYTES, lo, lane, key0, row_len, key0 + BLOCK_N > warp_min_len,
@@ -438,11 +410,11 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = warp_row0 + (lane >> 2) + 8 * h;
-        if (r >= rows_in) continue;
-        const int i = query_of(r), head = head_of(r);
+        if (r >= cta.rows_in) continue;
+        const int i = cta.query_of(r), head = cta.head_of(r);
         if (SPLIT) {
             float *rec = p.partials +
-                         ((((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + segment) * (D + 4);
+                         ((((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + cta.segment) * (D + 4);
             if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt)

@@ -292,39 +292,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
     const int b = blockIdx.z;
-    SequenceRange range;
-    if (!load_sequence(p.seq, b, range)) return;
-    const int q_len = range.q_len, k_len = range.k_len;
-
-    /* CTA row r is (query (row0 + r) / rows_per_query, head head0 + (row0 + r) % rows_per_query) */
-    int row0, rows_per_query, head0, kv_head, segment = 0;
-    if (SPLIT) {
-        segment = blockIdx.x;
-        kv_head = blockIdx.y % p.heads_kv;
-        row0 = (blockIdx.y / p.heads_kv) * ROWS;
-        rows_per_query = p.group;
-        head0 = kv_head * p.group;
-    } else {
-        head0 = blockIdx.x;
-        kv_head = head0 / p.group;
-        row0 = (gridDim.y - 1 - blockIdx.y) * ROWS; /* the causal tiles with the most keys first */
-        rows_per_query = 1;
-    }
-    const int rows_in = min(ROWS, q_len * rows_per_query - row0);
-    if (rows_in <= 0) return;
-    auto query_of = [&](int r) { return (row0 + r) / rows_per_query; };
-    auto head_of = [&](int r) { return head0 + (row0 + r) % rows_per_query; };
-    auto len_of = [&](int r) { return visible_keys(query_of(r), q_len, k_len, p.causal); };
-
-    /* rows are in increasing query order, so the last row sees the most keys */
-    int block_begin = 0, block_end = (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
-    if (SPLIT) {
-        block_begin = segment * BLOCKS_PER_SEGMENT;
-        if (block_begin >= block_end) return;
-        block_end = min(block_end, block_begin + BLOCKS_PER_SEGMENT);
-    }
-    const int blocks = block_end - block_begin;
-    const int64_t q_row0 = range.q_start, k_row0 = range.k_start;
+    FwdCta cta;
+    if (!fwd_cta<ROWS, SPLIT>(p, cta)) return;
+    const int blocks = cta.block_end - cta.block_begin;
+    const int64_t q_row0 = cta.range.q_start, k_row0 = cta.range.k_start;
 
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -336,7 +307,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         load_rows_async<D, ROWS, Tiles::CONSUMER_THREADS>(
             q_tile,
             [&](int r) -> const uint16_t * {
-                return r < rows_in ? row_address(p.q, b, q_row0 + query_of(r), head_of(r)) : nullptr;
+                return r < cta.rows_in ? row_address(p.q, b, q_row0 + cta.query_of(r), cta.head_of(r)) : nullptr;
             },
             p.q.data, tid);
         cp_async_commit();
@@ -351,14 +322,15 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
          * would poison acc) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
         const int ptid = tid - Tiles::CONSUMER_THREADS;
-        const int64_t thread_row = k_row0 + block_begin * BLOCK_N + ptid / (D / 8), thread_col = 8 * (ptid % (D / 8));
-        const uint16_t *k_src = row_address(p.k, b, thread_row, kv_head) + thread_col;
-        const uint16_t *v_src = row_address(p.v, b, thread_row, kv_head) + thread_col;
+        const int64_t thread_row = k_row0 + cta.block_begin * BLOCK_N + ptid / (D / 8);
+        const int64_t thread_col = 8 * (ptid % (D / 8));
+        const uint16_t *k_src = row_address(p.k, b, thread_row, cta.kv_head) + thread_col;
+        const uint16_t *v_src = row_address(p.v, b, thread_row, cta.kv_head) + thread_col;
         for (int j = 0; j < blocks; ++j) {
             const int s = j % STAGES;
             mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
             const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
-            const int keys_in = k_len - (block_begin + j) * BLOCK_N;
+            const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
             load_thread_rows_async<D, BLOCK_N, 128>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
             load_thread_rows_async<D, BLOCK_N, 128>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
             cp_async_commit();
@@ -379,17 +351,17 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of the tile */
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
         const int wg_row0 = wg * 64;
-        const bool wg_has_rows = wg_row0 < rows_in;
-        const int wg_max_len = wg_has_rows ? len_of(min(wg_row0 + 63, rows_in - 1)) : 0;
-        const int wg_min_len = wg_has_rows ? len_of(wg_row0) : 0;
+        const bool wg_has_rows = wg_row0 < cta.rows_in;
+        const int wg_max_len = wg_has_rows ? cta.len_of(min(wg_row0 + 63, cta.rows_in - 1)) : 0;
+        const int wg_min_len = wg_has_rows ? cta.len_of(wg_row0) : 0;
         /* the blocks it attends: those with a key its last row sees, a prefix of the CTA's blocks */
-        const int nb = min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - block_begin));
+        const int nb = min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - cta.block_begin));
         const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
         int row_len[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = thread_row0 + 8 * h;
-            row_len[h] = r < rows_in ? len_of(r) : 0;
+            row_len[h] = r < cta.rows_in ? cta.len_of(r) : 0;
         }
 
         RowPair seg;
@@ -443,14 +415,14 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
         };
         auto softmax = [&](int t) {
-            const int key0 = (block_begin + t) * BLOCK_N;
+            const int key0 = (cta.block_begin + t) * BLOCK_N;
             softmax_block<BF16, D>(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, acc, pa);
         };
         /* after block t's P V: merge the segment state into the row state if block t ends a segment or
          * is the warpgroup's last */
         auto segment_end = [&](int t) {
             if constexpr (!SPLIT) {
-                if ((block_begin + t + 1) % BLOCKS_PER_SEGMENT == 0 || t == nb - 1) {
+                if ((cta.block_begin + t + 1) % BLOCKS_PER_SEGMENT == 0 || t == nb - 1) {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         float o_row[D / 4], acc_row[D / 4];
@@ -531,11 +503,11 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = thread_row0 + 8 * h;
-            if (r >= rows_in) continue;
-            const int i = query_of(r), head = head_of(r);
+            if (r >= cta.rows_in) continue;
+            const int i = cta.query_of(r), head = cta.head_of(r);
             if constexpr (SPLIT) {
                 const int64_t record =
-                    (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + segment;
+                    (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + cta.segment;
                 float *rec = p.partials + record * (D + 4);
                 if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
 #pragma unroll
