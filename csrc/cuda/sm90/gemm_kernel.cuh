@@ -58,6 +58,8 @@ typedef struct gemm_sm90_params {
     int M, N, k_tiles;
     int m_tiles;
     int n_units;                              /* column work units of Epilogue::TILES_PER_UNIT tiles */
+    int m_groups;                             /* groups of CLUSTER row tiles sharing B (work_coords) */
+    int group_items, work_items;              /* items of those groups; all items (+ a paired tail) */
     int col_tiles;                            /* column tiles in all */
     uint32_t a_box_bytes;                     /* bytes one stage's A loads bring for a full row tile */
     uint32_t a_tail_box_bytes;                /* ... for the last row tile when M % BM != 0 (map_a_tail) */
@@ -84,6 +86,7 @@ typedef struct gemm_sm90_params {
  * choices) for every element and config. */
 struct gemm_value {
     struct Params {};
+    static constexpr bool PAIR_TAIL = true;
     float alpha, beta;
     static __device__ __forceinline__ gemm_value make(int, const gemm_sm90_params &p, const Params &) {
         return gemm_value{p.alpha, p.beta};
@@ -230,6 +233,8 @@ struct tile_store {
  *   TILES_PER_UNIT  tiles per work unit, walked in increasing column order
  *   CHAIN           k-slices per fresh wgmma chain (0: one chain over K; see mma_tile)
  *   STORES_TILES    the tiles are stored to `out` of type OutT (gives the kernel TMA-store buffers)
+ *   PAIR_TAIL       clusters of 2 take an unpartnered last row tile in pairs of units (plan_work_items;
+ *                   units must be single tiles)
  *   Params          its own kernel parameters
  *   begin(row0, p, ep) -> unit state, before the unit's first k loop
  *   tile<BN, BF16, TMA_STORE>(d, unit, row0, col0, p, ep, store), after each tile's k loop
@@ -242,7 +247,7 @@ struct store_tiles {
     using OutT = OutType;
     using Params = typename Value::Params;
     static constexpr int TILES_PER_UNIT = 1, CHAIN = 0;
-    static constexpr bool STORES_TILES = true;
+    static constexpr bool STORES_TILES = true, PAIR_TAIL = Value::PAIR_TAIL;
     static __device__ __forceinline__ Value begin(int row0, const gemm_sm90_params &p, const Params &ep) {
         return Value::make(row0, p, ep);
     }
@@ -263,18 +268,41 @@ struct store_tiles {
 
 /* ------------------------------------ main loop --------------------------------------------- */
 
-/* Work index -> (row tile, column work unit). A work item is CLUSTER vertically adjacent row tiles (one
- * per CTA of the cluster, sharing the B tiles); bands of GROUP_M row tiles sweep all column units in turn. */
-template <int CLUSTER>
-__device__ __forceinline__ void work_coords(int work, int m_groups, int n_units, int cta_rank, int *m_blk,
+/* The work items of a grid: groups of CLUSTER vertically adjacent row tiles (one per CTA of a cluster,
+ * sharing the B tiles) times the column units; when the last row tile has no partner (clusters of 2, an
+ * odd number of row tiles) and the units are single tiles, that row tile instead goes in horizontally
+ * adjacent pairs of units (Epilogue::PAIR_TAIL), one per CTA, each CTA loading its own B. Unpaired, the second CTA of that
+ * group computes a phantom row tile past M: at M = 304 (3 row tiles) a third of the grid's time.
+ * Fills p's m_groups, group_items and work_items (the kernel reads them from there). */
+static inline void plan_work_items(gemm_sm90_params *p, int cluster, bool pair_tail_allowed) {
+    const bool pair_tail = cluster == 2 && pair_tail_allowed && p->m_tiles % 2 == 1;
+    p->m_groups = pair_tail ? p->m_tiles / 2 : (p->m_tiles + cluster - 1) / cluster;
+    p->group_items = p->m_groups * p->n_units;
+    p->work_items = p->group_items + (pair_tail ? (p->n_units + 1) / 2 : 0);
+}
+
+/* Work index -> (row tile, column work unit); returns whether the cluster shares the item's B tiles.
+ * Bands of GROUP_M row tiles sweep all column units in turn; the paired tail items come last. Pair j
+ * of the tail is units 2j and 2j + 1; with an odd number of units the last pair's second CTA gets a
+ * phantom tile past M, as a cluster's second CTA does in an unpaired tail: it loads no A and stores
+ * nothing, but runs the k loop, keeping the CTAs of the cluster in step through the stages. */
+template <int CLUSTER, bool PAIR_TAIL>
+__device__ __forceinline__ bool work_coords(int work, const gemm_sm90_params &p, int cta_rank, int *m_blk,
                                             int *n_unit) {
+    if (CLUSTER == 2 && PAIR_TAIL && work >= p.group_items) {
+        *n_unit = 2 * (work - p.group_items) + cta_rank;
+        *m_blk = p.m_tiles - 1;
+        if (*n_unit == p.n_units) *m_blk = p.m_tiles, *n_unit = p.n_units - 1;  /* phantom: a tile past M */
+        return false;
+    }
     constexpr int band = GROUP_M / CLUSTER;
-    const int band_size = band * n_units;
+    const int band_size = band * p.n_units;
     const int first = (work / band_size) * band;
-    const int rows = min(m_groups - first, band);
+    const int rows = min(p.m_groups - first, band);
     const int local = work % band_size;
     *m_blk = (first + local % rows) * CLUSTER + cta_rank;
     *n_unit = local / rows;
+    return CLUSTER == 2;
 }
 
 /* The work of one cluster, in the order it runs: whole items first + i * stride (i < count), a head
@@ -465,6 +493,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     constexpr bool TMA_EPILOGUE = epi_buffers<BN, CONSUMERS, Epilogue>() > 0;
     constexpr uint32_t A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2;
     constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
+    constexpr int B_BOX = B_MN ? 64 : BN / CLUSTER, B_BOXES = BN / B_BOX;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
     const uint32_t a_smem = smem, b_smem = smem + STAGES * A_STAGE;
@@ -485,10 +514,8 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     else cluster_sync();
 
     const int warpgroup = threadIdx.x / 128;
-    const int m_groups = (p.m_tiles + CLUSTER - 1) / CLUSTER;
-    const int num_work = m_groups * p.n_units;
     constexpr bool STREAM_K = TILES_PER_UNIT == 1 && Epilogue::CHAIN == 0 && Epilogue::STORES_TILES;
-    const work_plan plan = plan_work(STREAM_K && p.stream_k, num_work, p.k_tiles, blockIdx.x / CLUSTER,
+    const work_plan plan = plan_work(STREAM_K && p.stream_k, p.work_items, p.k_tiles, blockIdx.x / CLUSTER,
                                      gridDim.x / CLUSTER);
 
     if (warpgroup == 0) {
@@ -499,7 +526,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
             for (int i = 0; i < plan.pieces(); ++i) {
                 int work, k_begin, k_end, m_blk, n_unit;
                 plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
-                work_coords<CLUSTER>(work, m_groups, p.n_units, cta_rank, &m_blk, &n_unit);
+                const bool b_shared = work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
                 const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
                 for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
                     for (int kt = k_begin; kt < k_end; ++kt, ++it) {
@@ -507,7 +534,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                         mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
                         const uint32_t bar = full_bar + 8 * s;
                         /* A rows past M are not loaded (the TMA's zero fill of absent rows is slow): the
-                         * last row tile loads its rows rounded up to 8, a cluster's tile past M none; the
+                         * last row tile loads its rows rounded up to 8, a phantom tile past M none; the
                          * stale shared memory only reaches accumulator rows that are never stored */
                         const int a_rows = m_blk < p.m_tiles - 1 ? BM : m_blk == p.m_tiles - 1 ? p.a_tail_rows : 0;
                         mbar_arrive_expect_tx(bar, (a_rows == BM ? p.a_box_bytes : a_rows > 0 ? p.a_tail_box_bytes : 0) +
@@ -522,25 +549,16 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                             tma_load_2d(a_smem + s * A_STAGE, a_rows == BM ? &map_a : &map_a_tail, kt * BK, m_blk * BM,
                                         bar);
                         }
-                        const uint32_t b_dst = b_smem + s * B_STAGE;
-                        if constexpr (CLUSTER == 1) {
-                            if constexpr (B_MN) {
-                                for (int j = 0; j < BN / 64; ++j)
-                                    tma_load_2d(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j, kt * BK, bar);
-                            } else {
-                                tma_load_2d(b_dst, &map_b, kt * BK, n_blk * BN, bar);
-                            }
-                        } else {
-                            /* this CTA's half of the B tile, into both CTAs */
-                            constexpr int HALF = BN / 2;
-                            if constexpr (B_MN) {
-                                for (int j = cta_rank * HALF / 64; j < (cta_rank + 1) * HALF / 64; ++j)
-                                    tma_load_2d_multicast(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j, kt * BK,
-                                                          bar, 0x3);
-                            } else {
-                                tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, kt * BK,
-                                                      n_blk * BN + cta_rank * HALF, bar, 0x3);
-                            }
+                        /* B in boxes of B_BOX columns (MN-major: 64; K-major: BN / CLUSTER rows); a cluster
+                         * sharing the B tile loads half of the boxes each, multicast into both CTAs */
+                        const int j0 = b_shared ? cta_rank * B_BOXES / 2 : 0;
+                        const int j1 = b_shared ? (cta_rank + 1) * B_BOXES / 2 : B_BOXES;
+                        for (int j = j0; j < j1; ++j) {
+                            const uint32_t dst = b_smem + s * B_STAGE + j * B_BOX * BK * 2;
+                            const int n0 = n_blk * BN + j * B_BOX;
+                            const int x = B_MN ? n0 : kt * BK, y = B_MN ? kt * BK : n0;
+                            if (CLUSTER == 2 && b_shared) tma_load_2d_multicast(dst, &map_b, x, y, bar, 0x3);
+                            else tma_load_2d(dst, &map_b, x, y, bar);
                         }
                     }
                 }
@@ -557,7 +575,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
         for (int i = 0; i < plan.pieces(); ++i) {
             int work, k_begin, k_end, m_blk, n_unit;
             plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
-            work_coords<CLUSTER>(work, m_groups, p.n_units, cta_rank, &m_blk, &n_unit);
+            work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
             const int row0 = m_blk * BM + 64 * c;
             const tile_store store{&map_out, epi_smem + c * 2 * EPI_BOX_BYTES, 1u + c};
             auto unit = Epilogue::begin(row0, p, ep);  /* per-row data, loaded before the k loop */
@@ -701,7 +719,9 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     p.m_tiles = (int)((args->M + BM - 1) / BM);
     p.col_tiles = (int)((args->N + BN - 1) / BN);
     p.n_units = (p.col_tiles + Epilogue::TILES_PER_UNIT - 1) / Epilogue::TILES_PER_UNIT;
-    const int work = (p.m_tiles + CLUSTER - 1) / CLUSTER * p.n_units;
+    static_assert(!Epilogue::PAIR_TAIL || Epilogue::TILES_PER_UNIT == 1, "a phantom unit must run its partner's k loop");
+    plan_work_items(&p, CLUSTER, Epilogue::PAIR_TAIL);
+    const int work = p.work_items;
     const int clusters = work < max_clusters[device] ? work : max_clusters[device];
     config.gridDim = dim3(clusters * CLUSTER);
     /* stream-K (p.partials: stream_k_workspace_bytes of scratch) pays only where whole items would leave
