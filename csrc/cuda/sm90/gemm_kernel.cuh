@@ -45,6 +45,8 @@
 #include <cudaTypedefs.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "../../ops/gemm.h"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -59,7 +61,8 @@ typedef struct gemm_sm90_params {
     int m_tiles;
     int n_units;                              /* column work units of Epilogue::TILES_PER_UNIT tiles */
     int m_groups;                             /* groups of CLUSTER row tiles sharing B (work_coords) */
-    int group_items, work_items;              /* items of those groups; all items (+ a paired tail) */
+    int work_items;                           /* work items, a paired tail's included */
+    int tail_band_first, tail_band_start;     /* paired tail: its band's first group and first item */
     int col_tiles;                            /* column tiles in all */
     uint32_t a_box_bytes;                     /* bytes one stage's A loads bring for a full row tile */
     uint32_t a_tail_box_bytes;                /* ... for the last row tile when M % BM != 0 (map_a_tail) */
@@ -270,39 +273,51 @@ struct store_tiles {
 
 /* The work items of a grid: groups of CLUSTER vertically adjacent row tiles (one per CTA of a cluster,
  * sharing the B tiles) times the column units; when the last row tile has no partner (clusters of 2, an
- * odd number of row tiles) and the units are single tiles, that row tile instead goes in horizontally
- * adjacent pairs of units (Epilogue::PAIR_TAIL), one per CTA, each CTA loading its own B. Unpaired, the second CTA of that
- * group computes a phantom row tile past M: at M = 304 (3 row tiles) a third of the grid's time.
- * Fills p's m_groups, group_items and work_items (the kernel reads them from there). */
+ * odd number of row tiles) and Epilogue::PAIR_TAIL, that row tile instead goes in horizontally adjacent
+ * pairs of units, one per CTA, each CTA loading its own B. Unpaired, the second CTA of that group
+ * computes a phantom row tile past M (at M = 1334, 11 row tiles, 1/12 of the grid's time).
+ * Fills p's m_groups, work_items and tail_band_* (the kernel reads them from there). */
 static inline void plan_work_items(gemm_sm90_params *p, int cluster, bool pair_tail_allowed) {
     const bool pair_tail = cluster == 2 && pair_tail_allowed && p->m_tiles % 2 == 1;
     p->m_groups = pair_tail ? p->m_tiles / 2 : (p->m_tiles + cluster - 1) / cluster;
-    p->group_items = p->m_groups * p->n_units;
-    p->work_items = p->group_items + (pair_tail ? (p->n_units + 1) / 2 : 0);
+    p->work_items = p->m_groups * p->n_units + (pair_tail ? (p->n_units + 1) / 2 : 0);
+    const int band = GROUP_M / cluster;
+    p->tail_band_first = p->m_groups > 0 ? (p->m_groups - 1) / band * band : 0;
+    p->tail_band_start = pair_tail ? p->tail_band_first * p->n_units : INT32_MAX;
 }
 
 /* Work index -> (row tile, column work unit); returns whether the cluster shares the item's B tiles.
- * Bands of GROUP_M row tiles sweep all column units in turn; the paired tail items come last. Pair j
- * of the tail is units 2j and 2j + 1; with an odd number of units the last pair's second CTA gets a
- * phantom tile past M, as a cluster's second CTA does in an unpaired tail: it loads no A and stores
- * nothing, but runs the k loop, keeping the CTAs of the cluster in step through the stages. */
+ * Bands of GROUP_M row tiles sweep all column units in turn. In the last band of a paired tail, each
+ * two units' group items are followed by the tail's pair of them, while their B tiles are still in L2:
+ * the pairs placed after all group items read B from memory a second time, 0.9x at M = 304 on the LM
+ * head (N = 151936), where B's bytes bound the time. With an odd number of units the last pair's second
+ * CTA gets a phantom tile past M, as a cluster's second CTA does in an unpaired tail: it loads no A and
+ * stores nothing, but runs the k loop, keeping the CTAs of the cluster in step through the stages.
+ * Selects, not branches: a branch here moved the producer's loop state off the uniform datapath. */
 template <int CLUSTER, bool PAIR_TAIL>
 __device__ __forceinline__ bool work_coords(int work, const gemm_sm90_params &p, int cta_rank, int *m_blk,
                                             int *n_unit) {
-    if (CLUSTER == 2 && PAIR_TAIL && work >= p.group_items) {
-        *n_unit = 2 * (work - p.group_items) + cta_rank;
-        *m_blk = p.m_tiles - 1;
-        if (*n_unit == p.n_units) *m_blk = p.m_tiles, *n_unit = p.n_units - 1;  /* phantom: a tile past M */
-        return false;
-    }
     constexpr int band = GROUP_M / CLUSTER;
+    const bool tail_band = CLUSTER == 2 && PAIR_TAIL && work >= p.tail_band_start;
+    /* an ordinary band */
+    const int w = tail_band ? 0 : work;
     const int band_size = band * p.n_units;
-    const int first = (work / band_size) * band;
+    const int first = (w / band_size) * band;
     const int rows = min(p.m_groups - first, band);
-    const int local = work % band_size;
-    *m_blk = (first + local % rows) * CLUSTER + cta_rank;
-    *n_unit = local / rows;
-    return CLUSTER == 2;
+    const int local = w % band_size;
+    /* the tail's band: blocks of two units, each rows_t x 2 group items and then a pair */
+    const int rows_t = max(p.m_groups - p.tail_band_first, 1);  /* 0 groups: blocks of the pair alone */
+    const int block_size = tail_band ? 2 * (p.m_groups - p.tail_band_first) + 1 : 1;
+    const int l = tail_band ? work - p.tail_band_start : 0;
+    const int block = l / block_size, r = l % block_size;
+    const bool pair = r >= block_size - 1 - (2 * block + 1 == p.n_units ? p.m_groups - p.tail_band_first : 0);
+    const int pair_unit = 2 * block + cta_rank;
+    const bool phantom = pair_unit == p.n_units;  /* a tile past M */
+    *m_blk = !tail_band ? (first + local % rows) * CLUSTER + cta_rank
+             : pair     ? p.m_tiles - 1 + phantom
+                        : (p.tail_band_first + r % rows_t) * CLUSTER + cta_rank;
+    *n_unit = !tail_band ? local / rows : pair ? pair_unit - phantom : 2 * block + r / rows_t;
+    return CLUSTER == 2 && !(tail_band && pair);
 }
 
 /* The work of one cluster, in the order it runs: whole items first + i * stride (i < count), a head
@@ -493,7 +508,6 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     constexpr bool TMA_EPILOGUE = epi_buffers<BN, CONSUMERS, Epilogue>() > 0;
     constexpr uint32_t A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2;
     constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
-    constexpr int B_BOX = B_MN ? 64 : BN / CLUSTER, B_BOXES = BN / B_BOX;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
     const uint32_t a_smem = smem, b_smem = smem + STAGES * A_STAGE;
@@ -527,40 +541,66 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                 int work, k_begin, k_end, m_blk, n_unit;
                 plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
                 const bool b_shared = work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
-                const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
-                for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
-                    for (int kt = k_begin; kt < k_end; ++kt, ++it) {
-                        const int s = it % STAGES;
-                        mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
-                        const uint32_t bar = full_bar + 8 * s;
-                        /* A rows past M are not loaded (the TMA's zero fill of absent rows is slow): the
-                         * last row tile loads its rows rounded up to 8, a phantom tile past M none; the
-                         * stale shared memory only reaches accumulator rows that are never stored */
-                        const int a_rows = m_blk < p.m_tiles - 1 ? BM : m_blk == p.m_tiles - 1 ? p.a_tail_rows : 0;
-                        mbar_arrive_expect_tx(bar, (a_rows == BM ? p.a_box_bytes : a_rows > 0 ? p.a_tail_box_bytes : 0) +
-                                                       B_STAGE);
-                        if constexpr (A_MN) {
+                /* the k loop, instantiated for a B tile shared by the cluster or not: a branch on b_shared
+                 * inside it moved the loop's state off the uniform datapath */
+                auto load_tiles = [&](auto shared_b) {
+                    constexpr bool SHARED_B = decltype(shared_b)::value;
+                    const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
+                    for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
+                        for (int kt = k_begin; kt < k_end; ++kt, ++it) {
+                            const int s = it % STAGES;
+                            mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
+                            const uint32_t bar = full_bar + 8 * s;
+                            /* A rows past M are not loaded (the TMA's zero fill of absent rows is slow): the
+                             * last row tile loads its rows rounded up to 8, a phantom tile past M none; the
+                             * stale shared memory only reaches accumulator rows that are never stored */
+                            const int a_rows = m_blk < p.m_tiles - 1 ? BM : m_blk == p.m_tiles - 1 ? p.a_tail_rows : 0;
+                            mbar_arrive_expect_tx(bar, (a_rows == BM ? p.a_box_bytes : a_rows > 0 ? p.a_tail_box_bytes : 0) +
+                                                           B_STAGE);
+                            if constexpr (A_MN) {
 #pragma unroll
-                            for (int j = 0; j < BM / 64; ++j)
-                                if (64 * j < a_rows)
-                                    tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j,
-                                                kt * BK, bar);
-                        } else if (a_rows > 0) {
-                            tma_load_2d(a_smem + s * A_STAGE, a_rows == BM ? &map_a : &map_a_tail, kt * BK, m_blk * BM,
-                                        bar);
-                        }
-                        /* B in boxes of B_BOX columns (MN-major: 64; K-major: BN / CLUSTER rows); a cluster
-                         * sharing the B tile loads half of the boxes each, multicast into both CTAs */
-                        const int j0 = b_shared ? cta_rank * B_BOXES / 2 : 0;
-                        const int j1 = b_shared ? (cta_rank + 1) * B_BOXES / 2 : B_BOXES;
-                        for (int j = j0; j < j1; ++j) {
-                            const uint32_t dst = b_smem + s * B_STAGE + j * B_BOX * BK * 2;
-                            const int n0 = n_blk * BN + j * B_BOX;
-                            const int x = B_MN ? n0 : kt * BK, y = B_MN ? kt * BK : n0;
-                            if (CLUSTER == 2 && b_shared) tma_load_2d_multicast(dst, &map_b, x, y, bar, 0x3);
-                            else tma_load_2d(dst, &map_b, x, y, bar);
+                                for (int j = 0; j < BM / 64; ++j)
+                                    if (64 * j < a_rows)
+                                        tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j,
+                                                    kt * BK, bar);
+                            } else if (a_rows > 0) {
+                                tma_load_2d(a_smem + s * A_STAGE, a_rows == BM ? &map_a : &map_a_tail, kt * BK,
+                                            m_blk * BM, bar);
+                            }
+                            const uint32_t b_dst = b_smem + s * B_STAGE;
+                            if constexpr (SHARED_B) {
+                                /* this CTA's half of the B tile, into both CTAs */
+                                constexpr int HALF = BN / 2;
+                                if constexpr (B_MN) {
+#pragma unroll
+                                    for (int jj = 0; jj < HALF / 64; ++jj) {
+                                        const int j = cta_rank * (HALF / 64) + jj;
+                                        tma_load_2d_multicast(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j,
+                                                              kt * BK, bar, 0x3);
+                                    }
+                                } else {
+                                    tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, kt * BK,
+                                                          n_blk * BN + cta_rank * HALF, bar, 0x3);
+                                }
+                            } else {
+                                /* the whole B tile into this CTA: MN-major in 64-column boxes, K-major in the
+                                 * map's boxes of BN / CLUSTER rows */
+                                constexpr int B_BOX = B_MN ? 64 : BN / CLUSTER;
+#pragma unroll
+                                for (int j = 0; j < BN / B_BOX; ++j) {
+                                    const uint32_t dst = b_dst + j * B_BOX * BK * 2;
+                                    if constexpr (B_MN) tma_load_2d(dst, &map_b, n_blk * BN + B_BOX * j, kt * BK, bar);
+                                    else tma_load_2d(dst, &map_b, kt * BK, n_blk * BN + B_BOX * j, bar);
+                                }
+                            }
                         }
                     }
+                };
+                if constexpr (CLUSTER == 2) {
+                    if (b_shared) load_tiles(std::true_type{});
+                    else load_tiles(std::false_type{});
+                } else {
+                    load_tiles(std::false_type{});
                 }
             }
         }
