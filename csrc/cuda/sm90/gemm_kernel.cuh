@@ -10,7 +10,8 @@
  * and multiplies them with wgmma.m64nBNk16 (fp32 accumulators in registers, both operands read from
  * shared memory through descriptors whose transpose bits cover K-major and MN-major A and B); with
  * CLUSTER = 2, two CTAs on vertically adjacent tiles each load half of the shared B tile, multicast to
- * both. After each tile's k loop the Epilogue takes the accumulators: store_tiles forms
+ * both (an odd last row tile goes in horizontally adjacent pairs instead, each CTA loading its own B:
+ * plan_work_items). After each tile's k loop the Epilogue takes the accumulators: store_tiles forms
  * value(acc, C) in fp32 and stores with row/column predicates or, in the 2-consumer configs when out is
  * 16-byte aligned with a 16-byte multiple row stride, through two small shared-memory buffers per
  * consumer handed to TMA stores (store_tile_tma), so the consumers return to the next tile's wgmmas
