@@ -1,11 +1,12 @@
 /* cuda/attention.cuh: what the attention forward of every architecture (sm80/attention.cu on
  * mma.sync, sm90/attention.cu on wgmma) shares: the per-sequence ranges and their check (a sequence
  * that breaks the contract is skipped and raises *bad_index), the contract's scaled(m), the row
- * state of a thread's two rows, the segment merge (merge_segment) and the normalization
- * (finalize_row), the forward's kernel parameters, the split-KV combine kernel, and the host side:
- * the layout checks (supported), the schedule choice, the split workspace and the forward launch
- * (launch_fwd; each backend supplies its tile plan and attention_fwd_kernel). The contract is
- * csrc/ops/attention.h.
+ * state of a thread's two rows, its block update (update_row), the segment merge (merge_segment) and
+ * the normalization (finalize_row), the cp.async tile loads (in each backend's swizzle), the
+ * forward's kernel parameters, the split-KV combine kernel, and the host side: the layout checks
+ * (supported), the schedule choice, the split workspace, the forward launch (launch_fwd; each
+ * backend supplies its tile plan and attention_fwd_kernel) and the forward's entry point
+ * (attention_fwd_entry). The contract is csrc/ops/attention.h.
  *
  * The merge and the normalization are the contract's "one shared function per backend": both
  * schedules of a backend (prefill kernel, split kernel + combine kernel) call them, every product
@@ -92,6 +93,48 @@ __device__ __forceinline__ void set_empty(RowPair &st) {
     }
 }
 
+/* The contract's update of row h of a RowPair by one key block, after masking: the block's max (this
+ * thread's BLOCK_N / 4 scores by a balanced tree, exact in any order, then over the quad), the new m,
+ * the rescale factor alpha, the scores turned into p in place and summed in column order then over
+ * the quad, l = alpha l + sum, and the row's D / 4 accumulators scaled by alpha (P V follows). s(j, e)
+ * and o(j, e): the row's score and accumulator at this thread's column pair j, element e; the
+ * backends' fragment layouts differ, the arithmetic is this one. */
+template <int D, class Scores, class Accs>
+__device__ __forceinline__ void update_row(RowPair &st, int h, float c, Scores s, Accs o) {
+    float mt[BLOCK_N / 8];
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) mt[j] = fmaxf(s(j, 0), s(j, 1));
+#pragma unroll
+    for (int w = BLOCK_N / 16; w >= 1; w /= 2)
+#pragma unroll
+        for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
+    float mx = mt[0];
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_old = st.m[h];
+    const float m_new = fmaxf(m_old, mx);
+    const float ms_new = scaled(m_new, c);
+    const float alpha = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(scaled(m_old, c), ms_new)));
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float p = exp2_approx(__fmaf_rn(s(j, e), c, -ms_new));
+            s(j, e) = p;
+            sum = __fadd_rn(sum, p);
+        }
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+    st.l[h] = __fmaf_rn(alpha, st.l[h], sum);
+    st.m[h] = m_new;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        o(j, 0) = __fmul_rn(o(j, 0), alpha);
+        o(j, 1) = __fmul_rn(o(j, 1), alpha);
+    }
+}
+
 /* Merges a segment state (m_g, l_g, acc_g) into a row state (m, l, o), N columns of the row: the
  * prefill kernel and the combine kernel both call this, so the merge is the same rounded sequence
  * in both schedules. A segment the row cannot see (m_g = -inf) leaves it untouched. */
@@ -118,6 +161,46 @@ __device__ __forceinline__ void finalize_row(float m, float l, const float (&o)[
 #pragma unroll
     for (int k = 0; k < N; ++k) y[k] = __fmul_rn(o[k], inv);
     lse = empty ? -INFINITY : __fmul_rn(__fadd_rn(scaled(m, c), log2_approx(l)), LN2);
+}
+
+/* ------------------------------------ shared-memory tile loads ------------------------------ */
+
+/* cp.async of ROWS x D tiles of 16-bit elements, 16 bytes per thread and step, into a swizzled tile
+ * whose layout is the backend's: Swizzle::at(row, chunk) is the byte offset of 16-byte chunk `chunk`
+ * of row `row` (sm80: rows of D elements, chunks XOR row % 8; sm90: the wgmma 128-byte boxes). */
+
+/* Row r from row_ptr(r), or zeros where row_ptr(r) is null (that memory is not read: cp.async with
+ * 0 source bytes; `fallback` is any valid address). */
+template <int D, int ROWS, int THREADS, class Swizzle, class RowPtr>
+__device__ __forceinline__ void load_rows_async(uint32_t smem, RowPtr row_ptr, const void *fallback, int tid) {
+    constexpr int CHUNKS_PER_ROW = D / 8;
+    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
+    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const int r = r0 + i * ROW_STEP;
+        const uint16_t *src = row_ptr(r);
+        cp_async_16(smem + Swizzle::at(r, c), src ? (const void *)(src + 8 * c) : fallback, src ? 16 : 0);
+    }
+}
+
+/* The rows of a tile this thread copies (r0 + i ROW_STEP, 16-byte chunk c) from a stream of tiles:
+ * src points at this thread's chunk of the tile's row r0; rows >= rows_in are zero-filled and not
+ * read (`fallback`: any valid address). */
+template <int D, int ROWS, int THREADS, class Swizzle>
+__device__ __forceinline__ void load_thread_rows_async(uint32_t smem, const uint16_t *src, int64_t row_stride,
+                                                       int rows_in, const void *fallback, int tid) {
+    constexpr int CHUNKS_PER_ROW = D / 8;
+    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
+    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const bool live = r0 + i * ROW_STEP < rows_in;
+        cp_async_16(smem + Swizzle::at(r0 + i * ROW_STEP, c),
+                    live ? (const void *)(src + i * ROW_STEP * row_stride) : fallback, live ? 16 : 0);
+    }
 }
 
 /* ------------------------------------ forward ----------------------------------------------- */
@@ -316,6 +399,27 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
     attention_combine_kernel<BF16, D>
         <<<(unsigned)((p.rows_total + ROWS_PER_CTA - 1) / ROWS_PER_CTA), 128, 0, stream>>>(p);
     return (int)cudaGetLastError();
+}
+
+/* A backend's forward entry point (rlk_attention_fwd_<arch>_forced): the layout check, the schedule
+ * (forced: 1 the prefill kernel, 2 the split-KV kernels, 0 as pick_schedule decides; the bits do not
+ * depend on it), the kernel's name and, when planning, the split workspace; then the backend's
+ * Forward<BF16, D>::run (launch_fwd with its tile plan and kernels) for the dtype and head dim. */
+template <template <bool, int> class Forward>
+int attention_fwd_entry(const rlk_attention_args *args, rlk_context *ctx, int forced, const char *prefill_kernel,
+                        const char *split_kernel) {
+    if (!supported(args, false)) return RLK_UNSUPPORTED;
+    const FwdSchedule s = pick_schedule(args, forced);
+    ctx->kernel = s == SCHEDULE_SPLIT ? split_kernel : prefill_kernel;
+    if (ctx->plan_only) {
+        ctx->workspace_bytes = s == SCHEDULE_SPLIT ? split_workspace_bytes(args) : 0;
+        return RLK_OK;
+    }
+    cudaStream_t stream = (cudaStream_t)ctx->stream;
+    const bool bf16 = args->dtype == RLK_BF16;
+    if (args->head_dim == 64)
+        return bf16 ? Forward<true, 64>::run(args, s, stream) : Forward<false, 64>::run(args, s, stream);
+    return bf16 ? Forward<true, 128>::run(args, s, stream) : Forward<false, 128>::run(args, s, stream);
 }
 
 }  // namespace

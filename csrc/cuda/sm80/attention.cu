@@ -91,50 +91,18 @@ constexpr float LOG2E = 1.4426950408889634f;
 /* Tiles of rows of D 16-bit elements; 16-byte chunk c of row r sits at chunk c ^ (r & 7), so the 8
  * rows an ldmatrix phase reads (same logical chunk) hit 8 different 16-byte bank groups. */
 template <int D>
-__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-    return (uint32_t)(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
-}
-
-/* ROWS x D tile from global memory: row r from row_ptr(r), or zeros where row_ptr(r) is null (that
- * memory is not read: cp.async with 0 source bytes; `fallback` is any valid address). */
-template <int D, int ROWS, int THREADS, class RowPtr>
-__device__ __forceinline__ void load_rows_async(uint32_t smem, RowPtr row_ptr, const void *fallback, int tid) {
-    constexpr int CHUNKS_PER_ROW = D / 8;
-    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
-    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
-#pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const int r = r0 + i * ROW_STEP;
-        const uint16_t *src = row_ptr(r);
-        cp_async_16(smem + swizzled<D>(r, c), src ? (const void *)(src + 8 * c) : fallback, src ? 16 : 0);
+struct RowSwizzle {
+    static __device__ __forceinline__ uint32_t at(int row, int chunk) {
+        return (uint32_t)(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
     }
-}
-
-/* The rows of a ROWS x D tile this thread copies (r0 + i ROW_STEP, 16-byte chunk c) from a stream of
- * tiles: src points at this thread's chunk of the tile's row r0; rows >= rows_in are zero-filled and
- * not read (`fallback`: any valid address). */
-template <int D, int ROWS, int THREADS>
-__device__ __forceinline__ void load_thread_rows_async(uint32_t smem, const uint16_t *src, int64_t row_stride,
-                                                       int rows_in, const void *fallback, int tid) {
-    constexpr int CHUNKS_PER_ROW = D / 8;
-    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
-    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
-#pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const bool live = r0 + i * ROW_STEP < rows_in;
-        cp_async_16(smem + swizzled<D>(r0 + i * ROW_STEP, c),
-                    live ? (const void *)(src + i * ROW_STEP * row_stride) : fallback, live ? 16 : 0);
-    }
-}
+};
 
 /* The whole tile of rows base + r * row_stride, r < rows_in (>= 1; base stands in for the rest). */
 template <int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile_async(uint32_t smem, const uint16_t *base, int64_t row_stride, int rows_in,
                                                 int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
-    load_thread_rows_async<D, ROWS, THREADS>(
+    load_thread_rows_async<D, ROWS, THREADS, RowSwizzle<D>>(
         smem, base + (tid / CHUNKS_PER_ROW) * row_stride + 8 * (tid % CHUNKS_PER_ROW), row_stride, rows_in, base, tid);
 }
 
@@ -150,9 +118,9 @@ template <int D>
 struct LaneOffsets {
     uint32_t a, b, t;
     __device__ __forceinline__ explicit LaneOffsets(int lane)
-        : a(swizzled<D>((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4)),
-          b(swizzled<D>((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1)),
-          t(swizzled<D>((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4)) {}
+        : a(RowSwizzle<D>::at((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4)),
+          b(RowSwizzle<D>::at((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1)),
+          t(RowSwizzle<D>::at((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4)) {}
 };
 
 /* A fragments of the 16-row slab at tile row row0, k16 step kk. */
@@ -208,18 +176,6 @@ __device__ __forceinline__ void c_to_a_fragment(uint32_t (&a)[4], const float (&
 
 /* ------------------------------------ forward ----------------------------------------------- */
 
-/* Maximum of a row half's 16 scores of this thread (exact in any order: a balanced tree). */
-__device__ __forceinline__ float thread_row_max(const float (&s)[BLOCK_N / 8][4], int h) {
-    float m[BLOCK_N / 8];
-#pragma unroll
-    for (int nt = 0; nt < BLOCK_N / 8; ++nt) m[nt] = fmaxf(s[nt][2 * h], s[nt][2 * h + 1]);
-#pragma unroll
-    for (int w = BLOCK_N / 16; w >= 1; w /= 2)
-#pragma unroll
-        for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
-    return m[0];
-}
-
 /* One 64-key block of one warp's 16 rows: the contract's block update. qf: the rows' Q fragments;
  * k_tile / v_tile: the block's K and V in shared memory; key0: the absolute position of its first
  * key; row_len: the visible keys of the thread's two rows (lane / 4 and lane / 4 + 8); masked: some
@@ -244,32 +200,8 @@ __device__ __forceinline__ void attend_block(const uint32_t (&qf)[D / 16][4], ui
                 for (int e = 0; e < 2; ++e)
                     if (nt * 8 + e >= visible) s[nt][2 * h + e] = -INFINITY;
         }
-        float mx = thread_row_max(s, h);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_old = st.m[h];
-        const float m_new = fmaxf(m_old, mx);
-        const float ms_new = scaled(m_new, c);
-        const float alpha = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(scaled(m_old, c), ms_new)));
-        /* row sum of the fp32 p: this thread's columns in increasing n8-tile order, then the quad */
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = exp2_approx(__fmaf_rn(s[nt][2 * h + e], c, -ms_new));
-                s[nt][2 * h + e] = p;
-                sum = __fadd_rn(sum, p);
-            }
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-        st.l[h] = __fmaf_rn(alpha, st.l[h], sum);
-        st.m[h] = m_new;
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-            acc[nt][2 * h] = __fmul_rn(acc[nt][2 * h], alpha);
-            acc[nt][2 * h + 1] = __fmul_rn(acc[nt][2 * h + 1], alpha);
-        }
+        update_row<D>(st, h, c, [&](int j, int e) -> float & { return s[j][2 * h + e]; },
+                      [&](int j, int e) -> float & { return acc[j][2 * h + e]; });
     }
 
     /* acc += round(P) V over the block's 4 key k16 steps in order */
@@ -323,7 +255,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     }
 
     const int64_t q_row0 = cta.range.q_start, k_row0 = cta.range.k_start;
-    load_rows_async<D, ROWS, THREADS>(
+    load_rows_async<D, ROWS, THREADS, RowSwizzle<D>>(
         q_tile,
         [&](int r) -> const uint16_t * {
             return r < cta.rows_in ? row_address(p.q, b, q_row0 + cta.query_of(r), cta.head_of(r)) : nullptr;
@@ -341,8 +273,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         if (j < blocks) {
             const uint32_t dst = kv_ring + (j % STAGES) * 2 * KV_BYTES;
             const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
-            load_thread_rows_async<D, BLOCK_N, THREADS>(dst, k_src, p.k.row_stride, keys_in, p.k.data, tid);
-            load_thread_rows_async<D, BLOCK_N, THREADS>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, tid);
+            load_thread_rows_async<D, BLOCK_N, THREADS, RowSwizzle<D>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, tid);
+            load_thread_rows_async<D, BLOCK_N, THREADS, RowSwizzle<D>>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, tid);
             k_src += BLOCK_N * p.k.row_stride;
             v_src += BLOCK_N * p.v.row_stride;
         }
@@ -767,10 +699,12 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
 /* ------------------------------------ host -------------------------------------------------- */
 
 template <bool BF16, int D>
-int run_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
-    return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                        attention_fwd_kernel<BF16, D, true>);
-}
+struct Forward {
+    static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
+        return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
+                                            attention_fwd_kernel<BF16, D, true>);
+    }
+};
 
 template <bool BF16, int D>
 int run_bwd(const rlk_attention_args *a, cudaStream_t stream) {
@@ -828,17 +762,7 @@ int run_bwd(const rlk_attention_args *a, cudaStream_t stream) {
 /* Test hook: schedule 1 forces the prefill kernel, 2 the split-KV kernels, 0 picks as the
  * launcher does. The bits do not depend on it; the probe checks that they do not. */
 extern "C" int rlk_attention_fwd_sm80_forced(const rlk_attention_args *args, rlk_context *ctx, int schedule) {
-    if (!supported(args, false)) return RLK_UNSUPPORTED;
-    const FwdSchedule s = pick_schedule(args, schedule);
-    ctx->kernel = s == SCHEDULE_SPLIT ? "attention_fwd_split_sm80" : "attention_fwd_sm80";
-    if (ctx->plan_only) {
-        ctx->workspace_bytes = s == SCHEDULE_SPLIT ? split_workspace_bytes(args) : 0;
-        return RLK_OK;
-    }
-    cudaStream_t stream = (cudaStream_t)ctx->stream;
-    const bool bf16 = args->dtype == RLK_BF16;
-    if (args->head_dim == 64) return bf16 ? run_fwd<true, 64>(args, s, stream) : run_fwd<false, 64>(args, s, stream);
-    return bf16 ? run_fwd<true, 128>(args, s, stream) : run_fwd<false, 128>(args, s, stream);
+    return attention_fwd_entry<Forward>(args, ctx, schedule, "attention_fwd_sm80", "attention_fwd_split_sm80");
 }
 
 extern "C" int rlk_attention_fwd_sm80(const rlk_attention_args *args, rlk_context *ctx) {

@@ -91,43 +91,11 @@ constexpr int TILE_ALIGN = 1024; /* 128-byte swizzle atoms: 8 rows x 128 bytes *
  * (box j holds columns 64 j .. 64 j + 63), in the wgmma 128-byte swizzle: 16-byte chunk c of a row
  * (c < D / 8) sits in box c / 8 at chunk (c % 8) ^ (row % 8). Tiles start 1024-aligned. */
 template <int ROWS>
-__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-    return (uint32_t)((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
-}
-
-/* ROWS x D tile from global memory: row r from row_ptr(r), or zeros where row_ptr(r) is null (that
- * memory is not read: cp.async with 0 source bytes; `fallback` is any valid address). */
-template <int D, int ROWS, int THREADS, class RowPtr>
-__device__ __forceinline__ void load_rows_async(uint32_t smem, RowPtr row_ptr, const void *fallback, int tid) {
-    constexpr int CHUNKS_PER_ROW = D / 8;
-    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
-    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
-#pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const int r = r0 + i * ROW_STEP;
-        const uint16_t *src = row_ptr(r);
-        cp_async_16(smem + swizzled<ROWS>(r, c), src ? (const void *)(src + 8 * c) : fallback, src ? 16 : 0);
+struct BoxSwizzle {
+    static __device__ __forceinline__ uint32_t at(int row, int chunk) {
+        return (uint32_t)((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
     }
-}
-
-/* The rows of a ROWS x D tile this thread copies (r0 + i ROW_STEP, 16-byte chunk c) from a stream of
- * tiles: src points at this thread's chunk of the tile's row r0; rows >= rows_in are zero-filled and
- * not read (`fallback`: any valid address). */
-template <int D, int ROWS, int THREADS>
-__device__ __forceinline__ void load_thread_rows_async(uint32_t smem, const uint16_t *src, int64_t row_stride,
-                                                       int rows_in, const void *fallback, int tid) {
-    constexpr int CHUNKS_PER_ROW = D / 8;
-    static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
-    constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-    const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
-#pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const bool live = r0 + i * ROW_STEP < rows_in;
-        cp_async_16(smem + swizzled<ROWS>(r0 + i * ROW_STEP, c),
-                    live ? (const void *)(src + i * ROW_STEP * row_stride) : fallback, live ? 16 : 0);
-    }
-}
+};
 
 /* wgmma descriptors into these tiles.
  * K-major operand (Q as A, K as B of S = Q K^T): 64-row slab at `rows` of a tile whose boxes are
@@ -183,40 +151,8 @@ __device__ __forceinline__ void softmax_block(float (&s)[BLOCK_N / 2], int lane,
                 for (int e = 0; e < 2; ++e)
                     if (j * 8 + e >= visible) s[4 * j + 2 * h + e] = -INFINITY;
         }
-        /* maximum of the thread's 16 scores of the row (exact in any order: a balanced tree) */
-        float mt[BLOCK_N / 8];
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) mt[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-#pragma unroll
-        for (int w = BLOCK_N / 16; w >= 1; w /= 2)
-#pragma unroll
-            for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
-        float mx = mt[0];
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_old = st.m[h];
-        const float m_new = fmaxf(m_old, mx);
-        const float ms_new = scaled(m_new, c);
-        const float alpha = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(scaled(m_old, c), ms_new)));
-        /* row sum of the fp32 p: this thread's columns in increasing order, then the quad */
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = exp2_approx(__fmaf_rn(s[4 * j + 2 * h + e], c, -ms_new));
-                s[4 * j + 2 * h + e] = p;
-                sum = __fadd_rn(sum, p);
-            }
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-        st.l[h] = __fmaf_rn(alpha, st.l[h], sum);
-        st.m[h] = m_new;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            acc[4 * j + 2 * h] = __fmul_rn(acc[4 * j + 2 * h], alpha);
-            acc[4 * j + 2 * h + 1] = __fmul_rn(acc[4 * j + 2 * h + 1], alpha);
-        }
+        update_row<D>(st, h, c, [&](int j, int e) -> float & { return s[4 * j + 2 * h + e]; },
+                      [&](int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
     }
     /* P's k16 step t is the accumulator columns 16 t .. 16 t + 15: the register A fragment layout */
 #pragma unroll
@@ -304,7 +240,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         }
     }
     if (tid < Tiles::CONSUMER_THREADS) {
-        load_rows_async<D, ROWS, Tiles::CONSUMER_THREADS>(
+        load_rows_async<D, ROWS, Tiles::CONSUMER_THREADS, BoxSwizzle<ROWS>>(
             q_tile,
             [&](int r) -> const uint16_t * {
                 return r < cta.rows_in ? row_address(p.q, b, q_row0 + cta.query_of(r), cta.head_of(r)) : nullptr;
@@ -331,8 +267,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
             const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
             const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
-            load_thread_rows_async<D, BLOCK_N, 128>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
-            load_thread_rows_async<D, BLOCK_N, 128>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
+            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
+            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
             cp_async_commit();
             k_src += BLOCK_N * p.k.row_stride;
             v_src += BLOCK_N * p.v.row_stride;
@@ -535,27 +471,19 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 /* ------------------------------------ host -------------------------------------------------- */
 
 template <bool BF16, int D>
-int run_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
-    return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                        attention_fwd_kernel<BF16, D, true>);
-}
+struct Forward {
+    static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
+        return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
+                                            attention_fwd_kernel<BF16, D, true>);
+    }
+};
 
 }  // namespace
 
 /* Test hook: schedule 1 forces the prefill kernel, 2 the split-KV kernels, 0 picks as the
  * launcher does. The bits do not depend on it. */
 extern "C" int rlk_attention_fwd_sm90_forced(const rlk_attention_args *args, rlk_context *ctx, int schedule) {
-    if (!supported(args, false)) return RLK_UNSUPPORTED;
-    const FwdSchedule s = pick_schedule(args, schedule);
-    ctx->kernel = s == SCHEDULE_SPLIT ? "attention_fwd_split_sm90" : "attention_fwd_sm90";
-    if (ctx->plan_only) {
-        ctx->workspace_bytes = s == SCHEDULE_SPLIT ? split_workspace_bytes(args) : 0;
-        return RLK_OK;
-    }
-    cudaStream_t stream = (cudaStream_t)ctx->stream;
-    const bool bf16 = args->dtype == RLK_BF16;
-    if (args->head_dim == 64) return bf16 ? run_fwd<true, 64>(args, s, stream) : run_fwd<false, 64>(args, s, stream);
-    return bf16 ? run_fwd<true, 128>(args, s, stream) : run_fwd<false, 128>(args, s, stream);
+    return attention_fwd_entry<Forward>(args, ctx, schedule, "attention_fwd_sm90", "attention_fwd_split_sm90");
 }
 
 extern "C" int rlk_attention_fwd_sm90(const rlk_attention_args *args, rlk_context *ctx) {
