@@ -63,15 +63,19 @@ def operands(m, k, n, with_grad):
     return sets
 
 
+def estimated_ms(m, k, n):
+    """The GEMM's time at 600 TFLOP/s."""
+    return 2 * m * k * n / 600e12 * 1e3
+
+
 def reps_for(m, k, n):
-    est_ms = 2 * m * k * n / 600e12 * 1e3
-    return int(min(30, max(5, 200 / max(est_ms, 1e-3))))
+    return int(min(30, max(5, 200 / max(estimated_ms(m, k, n), 1e-3))))
 
 
 def sleep_us_for(m, k, n):
     """GPU time queued ahead per timed call: decode-sized calls (kernels of 10-40 us, about their
     host cost) drained the default 50 us and timed the host in single runs (2-4x outliers)."""
-    return 200 if 2 * m * k * n / 600e12 * 1e6 < 40 else 50
+    return 200 if estimated_ms(m, k, n) < 0.04 else 50
 
 
 def measure(m, name, backend, train):
