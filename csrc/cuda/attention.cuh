@@ -1,7 +1,7 @@
 /* cuda/attention.cuh: what the attention forward of every architecture (sm80/attention.cu on
  * mma.sync, sm90/attention.cu on wgmma) shares: the per-sequence ranges and their check (a sequence
  * that breaks the contract is skipped and raises *bad_index), the contract's scaled(m), the row
- * state of a thread's two rows, its block update (update_row), the segment merge (merge_segment) and
+ * state of a thread's two rows, its block update (update_rows, rescale_rows), the segment merge (merge_segment) and
  * the normalization (finalize_row), the cp.async tile loads (in each backend's swizzle), the
  * forward's kernel parameters, the split-KV combine kernel, and the host side: the layout checks
  * (supported), the schedule choice, the split workspace, the forward launch (launch_fwd; each
@@ -93,46 +93,73 @@ __device__ __forceinline__ void set_empty(RowPair &st) {
     }
 }
 
-/* The contract's update of row h of a RowPair by one key block, after masking: the block's max (this
+/* The contract's update of a RowPair by one key block, after masking, the two rows side by side (their
+ * shuffles and sum chains overlap; each row's arithmetic is its own): per row h the block's max (this
  * thread's BLOCK_N / 4 scores by a balanced tree, exact in any order, then over the quad), the new m,
- * the rescale factor alpha, the scores turned into p in place and summed in column order then over
- * the quad, l = alpha l + sum, and the row's D / 4 accumulators scaled by alpha (P V follows). s(j, e)
- * and o(j, e): the row's score and accumulator at this thread's column pair j, element e; the
+ * the rescale factor alpha[h], the scores turned into p in place and summed in column order then over
+ * the quad, l = alpha l + sum. The accumulators are scaled by alpha afterwards (rescale_rows), before
+ * P V adds onto them. s(h, j, e): row h's score at this thread's column pair j, element e; the
  * backends' fragment layouts differ, the arithmetic is this one. */
-template <int D, class Scores, class Accs>
-__device__ __forceinline__ void update_row(RowPair &st, int h, float c, Scores s, Accs o) {
-    float mt[BLOCK_N / 8];
+template <class Scores>
+__device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, float (&alpha)[2]) {
+    float mx[2], ms_new[2], sum[2];
 #pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j) mt[j] = fmaxf(s(j, 0), s(j, 1));
+    for (int h = 0; h < 2; ++h) {
+        float mt[BLOCK_N / 8];
 #pragma unroll
-    for (int w = BLOCK_N / 16; w >= 1; w /= 2)
+        for (int j = 0; j < BLOCK_N / 8; ++j) mt[j] = fmaxf(s(h, j, 0), s(h, j, 1));
 #pragma unroll
-        for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
-    float mx = mt[0];
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_old = st.m[h];
-    const float m_new = fmaxf(m_old, mx);
-    const float ms_new = scaled(m_new, c);
-    const float alpha = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(scaled(m_old, c), ms_new)));
-    float sum = 0.0f;
+        for (int w = BLOCK_N / 16; w >= 1; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
+        mx[h] = mt[0];
+    }
+#pragma unroll
+    for (int x = 1; x <= 2; x *= 2)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float m_old = st.m[h];
+        const float m_new = fmaxf(m_old, mx[h]);
+        ms_new[h] = scaled(m_new, c);
+        alpha[h] = m_old == -INFINITY ? 0.0f
+                                      : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(scaled(m_old, c), ms_new[h])));
+        st.m[h] = m_new;
+        sum[h] = 0.0f;
+    }
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const float p = exp2_approx(__fmaf_rn(s(j, e), c, -ms_new));
-            s(j, e) = p;
-            sum = __fadd_rn(sum, p);
-        }
-    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-    st.l[h] = __fmaf_rn(alpha, st.l[h], sum);
-    st.m[h] = m_new;
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        o(j, 0) = __fmul_rn(o(j, 0), alpha);
-        o(j, 1) = __fmul_rn(o(j, 1), alpha);
-    }
+            for (int e = 0; e < 2; ++e) {
+                const float p = exp2_approx(__fmaf_rn(s(h, j, e), c, -ms_new[h]));
+                s(h, j, e) = p;
+                sum[h] = __fadd_rn(sum[h], p);
+            }
+#pragma unroll
+    for (int x = 1; x <= 2; x *= 2)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sum[h] = __fadd_rn(sum[h], __shfl_xor_sync(0xffffffffu, sum[h], x));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) st.l[h] = __fmaf_rn(alpha[h], st.l[h], sum[h]);
+}
+
+/* The rows' D / 4 accumulators each scaled by its row's alpha (the contract's acc = alpha acc before
+ * P V). Skipped when alpha is 1 in every row of the warp: x * 1 == x, so the bits are the same, and
+ * after a row's first blocks its max rarely moves. o(h, j, e): row h's accumulator at column pair j,
+ * element e. The whole warp calls it. */
+template <int D, class Accs>
+__device__ __forceinline__ void rescale_rows(const float (&alpha)[2], Accs o) {
+    if (!__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o(h, j, 0) = __fmul_rn(o(h, j, 0), alpha[h]);
+            o(h, j, 1) = __fmul_rn(o(h, j, 1), alpha[h]);
+        }
 }
 
 /* Merges a segment state (m_g, l_g, acc_g) into a row state (m, l, o), N columns of the row: the

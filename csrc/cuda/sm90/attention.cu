@@ -97,53 +97,57 @@ struct BoxSwizzle {
     }
 };
 
-/* wgmma descriptors into these tiles.
- * K-major operand (Q as A, K as B of S = Q K^T): 64-row slab at `rows` of a tile whose boxes are
- * box_bytes apart, k16 step kk of head_dim = box kk / 4, 32 bytes per k16 inside the 128-byte row;
- * 8-row groups 1024 bytes apart.
+/* wgmma descriptors into these tiles, as SmemDesc bases that each wgmma advances by a byte offset.
+ * K-major operand (Q as A, K as B of S = Q K^T): a 64-row slab of a tile whose boxes are BOX bytes
+ * apart; k16 step kk of head_dim at box kk / 4, 32 bytes per k16 inside the 128-byte row; 8-row
+ * groups 1024 bytes apart.
  * MN-major operand (V as B of P V: k = keys, n = head_dim): k16 step t = tile rows 16 t .. 16 t + 15,
  * 64-column boxes BLOCK_N * 128 bytes apart, 8-key groups 1024 bytes apart. */
-__device__ __forceinline__ uint64_t k_major_desc(uint32_t rows, uint32_t box_bytes, int kk) {
-    return smem_desc(rows + (kk >> 2) * box_bytes + (kk & 3) * 32, 16, 1024);
-}
+__device__ __forceinline__ SmemDesc k_major_desc(uint32_t rows) { return SmemDesc(rows, 16, 1024); }
+__device__ __forceinline__ SmemDesc mn_major_desc(uint32_t tile) { return SmemDesc(tile, BLOCK_N * 128, 1024); }
 
-__device__ __forceinline__ uint64_t mn_major_desc(uint32_t tile, int t) {
-    return smem_desc(tile + t * 16 * 128, BLOCK_N * 128, 1024);
+template <uint32_t BOX>
+__device__ __forceinline__ uint32_t k_major_step(int kk) {
+    return (kk >> 2) * BOX + (kk & 3) * 32;
 }
 
 /* ------------------------------------ forward ----------------------------------------------- */
 
 /* The wgmmas of one block, issued into the current commit group (the caller fences and commits).
- * S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero; q_rows:
- * the warpgroup's 64 Q rows in a tile whose boxes are Q_BOX bytes apart. */
+ * S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero; q: the
+ * warpgroup's 64 Q rows in a tile whose boxes are Q_BOX bytes apart; k: the block's K tile
+ * (stage_bytes past the ring's). */
 template <bool BF16, int D, uint32_t Q_BOX>
-__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], uint32_t q_rows, uint32_t k_tile) {
+__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], const SmemDesc &q, const SmemDesc &k,
+                                             uint32_t stage_bytes) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_k16<BLOCK_N, BF16, 0, 0>(s, k_major_desc(q_rows, Q_BOX, kk), k_major_desc(k_tile, BLOCK_N * 128, kk),
-                                       kk > 0);
+        wgmma_k16<BLOCK_N, BF16, 0, 0>(s, q.at(k_major_step<Q_BOX>(kk)),
+                                       k.at(stage_bytes + k_major_step<BLOCK_N * 128>(kk)), kk > 0);
 }
 
-/* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments). */
+/* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments; v: the block's V
+ * tile, stage_bytes past the ring's). */
 template <bool BF16, int D>
-__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], uint32_t v_tile) {
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], const SmemDesc &v,
+                                         uint32_t stage_bytes) {
 #pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], mn_major_desc(v_tile, t), 1);
+    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], v.at(stage_bytes + t * 16 * 128), 1);
 }
 
-/* The contract's block update between S and P V, for one warpgroup's 64 rows: masks s, updates the
- * state (m, l), rescales acc by alpha and leaves round(P) as the A fragments of P V. key0: the
- * absolute position of the block's first key; row_len: the visible keys of the thread's two rows;
- * masked: some row of the warpgroup cannot see the whole block. Accumulator layout (wgmma): this
- * thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e in
- * x[4 j + 2 h + e]. The block's full update is then acc = alpha acc (here) + P V (issue_pv). */
-template <bool BF16, int D>
-__device__ __forceinline__ void softmax_block(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
-                                              bool masked, float c, RowPair &st, float (&acc)[D / 2],
-                                              uint32_t (&pa)[BLOCK_N / 16][4]) {
+/* The contract's block update between S and P V, for one warpgroup's 64 rows, in two parts so that
+ * the first runs while the previous block's P V is still on the tensor cores:
+ * block_scores: masks s, updates the state (m, l) and turns s into p (alpha: the rows' rescale);
+ * block_operands (once that P V has landed): acc = alpha acc, and round(P) as the A fragments of the
+ * next P V. key0: the absolute position of the block's first key; row_len: the visible keys of the
+ * thread's two rows; masked: some row of the warpgroup cannot see the whole block. Accumulator layout
+ * (wgmma): this thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e
+ * in x[4 j + 2 h + e]. */
+__device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
+                                             bool masked, float c, RowPair &st, float (&alpha)[2]) {
+    if (masked) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        if (masked) {
+        for (int h = 0; h < 2; ++h) {
             const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns 8 j + e below are keys < L */
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 8; ++j)
@@ -151,9 +155,14 @@ __device__ __forceinline__ void softmax_block(float (&s)[BLOCK_N / 2], int lane,
                 for (int e = 0; e < 2; ++e)
                     if (j * 8 + e >= visible) s[4 * j + 2 * h + e] = -INFINITY;
         }
-        update_row<D>(st, h, c, [&](int j, int e) -> float & { return s[4 * j + 2 * h + e]; },
-                      [&](int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
     }
+    update_rows(st, c, [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; }, alpha);
+}
+
+template <bool BF16, int D>
+__device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], const float (&alpha)[2],
+                                               float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4]) {
+    rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
     /* P's k16 step t is the accumulator columns 16 t .. 16 t + 15: the register A fragment layout */
 #pragma unroll
     for (int t = 0; t < BLOCK_N / 16; ++t)
@@ -312,8 +321,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
         }
-        const uint32_t q_rows = q_tile + wg_row0 * 128;
-        float s[BLOCK_N / 2];
+        const SmemDesc q_desc = k_major_desc(q_tile + wg_row0 * 128);
+        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc(kv_ring + KV_BYTES);
+        float s[BLOCK_N / 2], alpha[2];
         uint32_t pa[BLOCK_N / 16][4];
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.0f;
@@ -342,43 +352,42 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         auto release = [&](int t) {
             if (t >= 1 && lane == 0) mbar_arrive(empty_bar + 8 * ((t - 1) % STAGES));
         };
-        auto k_tile = [&](int t) { return kv_ring + (t % STAGES) * 2 * KV_BYTES; };
-        auto v_tile = [&](int t) { return kv_ring + (t % STAGES) * 2 * KV_BYTES + KV_BYTES; };
+        auto stage_bytes = [&](int t) { return (uint32_t)((t % STAGES) * 2 * KV_BYTES); };
+        /* keeps the registers of in-flight wgmmas (pa too: P V reads it) live and in place */
         auto fence_registers = [&]() {
             fence_accumulators(acc);
             fence_accumulators(s);
 #pragma unroll
             for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
         };
-        auto softmax = [&](int t) {
+        auto scores = [&](int t) {
             const int key0 = (cta.block_begin + t) * BLOCK_N;
-            softmax_block<BF16, D>(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, acc, pa);
+            block_scores(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha);
         };
-        /* after block t's P V: merge the segment state into the row state if block t ends a segment or
-         * is the warpgroup's last */
-        auto segment_end = [&](int t) {
+        /* prefill: block t starts a segment, so the one before it ended one */
+        auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % BLOCKS_PER_SEGMENT == 0; };
+        /* prefill: merges an ended segment (its m and l in `ended`, its acc) into the row state; acc
+         * restarts from zero */
+        auto merge_ended = [&](const RowPair &ended) {
             if constexpr (!SPLIT) {
-                if ((cta.block_begin + t + 1) % BLOCKS_PER_SEGMENT == 0 || t == nb - 1) {
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float o_row[D / 4], acc_row[D / 4];
+                for (int h = 0; h < 2; ++h) {
+                    float o_row[D / 4], acc_row[D / 4];
 #pragma unroll
-                        for (int j = 0; j < D / 8; ++j)
+                    for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
-                                acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
-                            }
-                        merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
+                        for (int e = 0; e < 2; ++e) {
+                            o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                            acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
+                        }
+                    merge_segment<D / 4>(row.m[h], row.l[h], o_row, ended.m[h], ended.l[h], acc_row, p.scale_log2);
 #pragma unroll
-                        for (int j = 0; j < D / 8; ++j)
+                    for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS] = o_row[2 * j + e];
-                                acc[4 * j + 2 * h + e] = 0.0f;
-                            }
-                    }
-                    set_empty(seg);
+                        for (int e = 0; e < 2; ++e) {
+                            o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS] = o_row[2 * j + e];
+                            acc[4 * j + 2 * h + e] = 0.0f;
+                        }
                 }
             }
         };
@@ -391,40 +400,49 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             turn_begin();
             fence_registers();
             wgmma_fence();
-            issue_scores<BF16, D, ROWS * 128>(s, q_rows, k_tile(0));
+            issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(0));
             wgmma_commit();
             turn_end(0);
             wgmma_wait<0>();
             fence_registers();
-            softmax(0);
-            /* turn t: P V of block t - 1, S of block t */
+            scores(0);
+            block_operands<BF16, D>(s, alpha, acc, pa);
+            /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
+             * softmax runs while that P V is on the tensor cores */
             for (t = 1; t < nb; ++t) {
                 wait_full(t);
                 turn_begin();
                 fence_registers();
                 wgmma_fence();
-                issue_pv<BF16, D>(acc, pa, v_tile(t - 1));
-                issue_scores<BF16, D, ROWS * 128>(s, q_rows, k_tile(t));
+                issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(t));
+                wgmma_commit();
+                issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1));
                 wgmma_commit();
                 turn_end(t);
+                wgmma_wait<1>();
+                fence_accumulators(s);
+                const RowPair ended = seg;
+                const bool new_segment = starts_segment(t);
+                if (new_segment) set_empty(seg);
+                scores(t);
                 wgmma_wait<0>();
                 fence_registers();
                 release(t);
-                segment_end(t - 1);
-                softmax(t);
+                if (new_segment) merge_ended(ended);
+                block_operands<BF16, D>(s, alpha, acc, pa);
             }
             /* turn nb: P V of the last block */
             wait_full(nb);
             turn_begin();
             fence_registers();
             wgmma_fence();
-            issue_pv<BF16, D>(acc, pa, v_tile(nb - 1));
+            issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1));
             wgmma_commit();
             turn_end(nb);
             wgmma_wait<0>();
             fence_registers();
             release(nb);
-            segment_end(nb - 1);
+            merge_ended(seg);
             t = nb + 1;
         }
         /* the blocks its rows cannot see: keep the barriers' phases and the turns in step */

@@ -123,6 +123,21 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
            (1ull << 62);
 }
 
+/* A descriptor kept as its two 32-bit halves, advanced by byte offsets: the start address is bits
+ * 0-13 (address / 16) and shared addresses stay below 256 KB, so adding offset / 16 to the low half
+ * never carries into the next field; a wgmma then costs one add, not a rebuilt descriptor. */
+struct SmemDesc {
+    uint32_t lo, hi;
+    __device__ __forceinline__ SmemDesc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+        const uint64_t d = smem_desc(addr, lbo, sbo);
+        lo = (uint32_t)d;
+        hi = (uint32_t)(d >> 32);
+    }
+    __device__ __forceinline__ uint64_t at(uint32_t offset) const {
+        return ((uint64_t)hi << 32) | (uint32_t)(lo + (offset >> 4));
+    }
+};
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
