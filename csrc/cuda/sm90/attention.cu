@@ -235,11 +235,14 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
 
-    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
+    /* wg, blocks and nb are broadcast from lane 0 (__shfl_sync) so that the compiler knows them warp-uniform:
+     * the turn loop's stage offsets and wgmma descriptors then live in uniform registers */
+    const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int warp_in_wg = (tid >> 5) & 3;
     const int b = blockIdx.z;
     FwdCta cta;
     if (!fwd_cta<ROWS, SPLIT>(p, cta)) return;
-    const int blocks = cta.block_end - cta.block_begin;
+    const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
     const int64_t q_row0 = cta.range.q_start, k_row0 = cta.range.k_start;
 
     if (tid == 0) {
@@ -300,7 +303,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int wg_max_len = wg_has_rows ? cta.len_of(min(wg_row0 + 63, cta.rows_in - 1)) : 0;
         const int wg_min_len = wg_has_rows ? cta.len_of(wg_row0) : 0;
         /* the blocks it attends: those with a key its last row sees, a prefix of the CTA's blocks */
-        const int nb = min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - cta.block_begin));
+        const int nb = __shfl_sync(0xffffffffu, min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - cta.block_begin)), 0);
         const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
         int row_len[2];
 #pragma unroll
