@@ -15,12 +15,12 @@
  *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n64k16 over
  *     head_dim, Q and K from shared memory, K-major), the online-softmax update in registers, then
  *     acc = alpha acc + P V (wgmma m64n{d}k16 with P rounded to the dtype as the register A operand
- *     and V as an MN-major B operand). A consumer issues P V of block t - 1 and S of block t as one
- *     wgmma group, then runs block t's softmax; the two consumers take turns on the tensor cores (named
- *     barriers) so that one's softmax can run under the other's wgmmas. At each segment end the
- *     warpgroup merges the segment state into the row state (its o kept in shared memory, touched only
- *     there) and restarts the segment from empty; after its last block it normalizes and writes out
- *     and lse. A warpgroup skips the blocks none of its rows can see (the causal diagonal) but still
+ *     and V as an MN-major B operand). A consumer issues S of block t and then P V of block t - 1 as
+ *     two wgmma groups and runs block t's softmax while that P V is still running; the two consumers
+ *     are not synchronized with each other, so one's softmax also runs under the other's wgmmas. At
+ *     each segment end the warpgroup merges the segment state into the row state (its o kept in
+ *     shared memory, touched only there) and restarts the segment from empty; after its last block it
+ *     normalizes and writes out and lse. A warpgroup skips the blocks none of its rows can see (the causal diagonal) but still
  *     waits for and releases them; the heaviest causal tiles start first.
  *   attention_fwd_kernel<SPLIT = true> + attention_combine_kernel (split-KV decode): a CTA of one
  *     consumer warpgroup and the producer owns one (sequence, kv head, segment) and 64 rows made of
@@ -39,7 +39,7 @@
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
  * Why the two schedules give the same bits for a row:
- *   - the block update (softmax_block, then issue_pv), the segment merge (merge_segment) and the
+ *   - the block update (block_scores, block_operands, then issue_pv), the segment merge (merge_segment) and the
  *     normalization (finalize_row; both in cuda/attention.cuh, the sm80 kernels' source) are each one
  *     function, every product and sum in them an explicitly rounded intrinsic (no contraction choice
  *     left to the compiler), exp2 is ex2.approx.ftz;
@@ -200,29 +200,20 @@ struct FwdTiles {
     static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
 };
 
-/* The consumer warpgroups' turn barriers (256 threads: one warpgroup waits, the other arrives). */
-template <int ID>
-__device__ __forceinline__ void named_barrier_arrive() {
-    asm volatile("bar.arrive %0, 256;" ::"n"(ID) : "memory");
-}
-template <int ID>
-__device__ __forceinline__ void named_barrier_sync() {
-    asm volatile("bar.sync %0, 256;" ::"n"(ID) : "memory");
-}
-
 /* Pipeline, per CTA (blocks: the CTA's 64-key blocks, relative index j):
  *   producer warp: for each j, waits until stage j % STAGES is free (empty barrier: every consumer
  *     warp has released the block that used it before), copies K and V of block j into it with
  *     cp.async (rows past k_len zero-filled, not read), and once they have landed (cp.async.wait_group,
  *     then fence.proxy.async so the tensor cores see them) arrives on the stage's full barrier.
- *   consumer warpgroup: turns t = 0 .. blocks; turn t waits for block t to be full, then issues one
- *     commit group of wgmmas: P V of block t - 1 (its V) and S of block t (its K), waits for it,
- *     releases block t - 1, merges a finished segment into the row state, and runs the softmax of
- *     block t (whose alpha rescales acc after block t - 1's P V has landed, as the contract's order
- *     acc = alpha acc + P V wants). A warpgroup whose rows cannot see block t (nb <= t) issues
- *     nothing for it but still waits and releases, so the barriers' phases stay in step.
- *   two warpgroups take turns on the tensor cores (named barriers 1 and 2: warpgroup 0 issues first,
- *     each issues after the other's previous turn), so one's softmax runs under the other's wgmmas. */
+ *   consumer warpgroup: turns t = 0 .. blocks; turn t waits for block t to be full, then issues two
+ *     commit groups: S of block t (its K), then P V of block t - 1 (its V). Once S has landed it runs
+ *     the scores part of block t's update (max, alpha, p, l: block_scores) while that P V is still on
+ *     the tensor cores; once P V has landed it releases block t - 1, merges a finished segment into
+ *     the row state, and rescales acc by block t's alpha and rounds P (block_operands), as the
+ *     contract's order acc = alpha acc + P V wants. A warpgroup whose rows cannot see block t
+ *     (nb <= t) issues nothing for it but still waits and releases, so the barriers' phases stay in
+ *     step. The two consumer warpgroups run unsynchronized; their wgmmas and softmaxes interleave on
+ *     their own (forced turn-taking with named barriers measured 6% slower). */
 template <bool BF16, int D, bool SPLIT>
 __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT>::MIN_CTAS)
     attention_fwd_kernel(const FwdParams p) {
@@ -335,22 +326,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 #pragma unroll
             for (int i = 0; i < 4; ++i) pa[t][i] = 0u;
 
-        /* turn t: wait for block t (t < blocks), wait for this warpgroup's turn on the tensor cores,
-         * issue, pass the turn on, wait for the wgmmas, release block t - 1 */
+        /* turn t: wait for block t (t < blocks), issue, wait for the wgmmas, release block t - 1 */
         auto wait_full = [&](int t) {
             if (t < blocks) mbar_wait(full_bar + 8 * (t % STAGES), (t / STAGES) & 1);
-        };
-        auto turn_begin = [&]() {
-            if constexpr (WARPGROUPS == 2) {
-                if (wg == 0) named_barrier_sync<1>();
-                else named_barrier_sync<2>();
-            }
-        };
-        auto turn_end = [&](int t) { /* warpgroup 1's last arrival would have no taker */
-            if constexpr (WARPGROUPS == 2) {
-                if (wg == 0) named_barrier_arrive<2>();
-                else if (t < blocks) named_barrier_arrive<1>();
-            }
         };
         auto release = [&](int t) {
             if (t >= 1 && lane == 0) mbar_arrive(empty_bar + 8 * ((t - 1) % STAGES));
@@ -395,17 +373,14 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             }
         };
 
-        if (WARPGROUPS == 2 && wg == 1) named_barrier_arrive<1>(); /* warpgroup 0 takes the first turn */
         int t = 0;
         if (nb > 0) {
             /* turn 0: S of block 0 */
             wait_full(0);
-            turn_begin();
             fence_registers();
             wgmma_fence();
             issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(0));
             wgmma_commit();
-            turn_end(0);
             wgmma_wait<0>();
             fence_registers();
             scores(0);
@@ -414,14 +389,12 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
              * softmax runs while that P V is on the tensor cores */
             for (t = 1; t < nb; ++t) {
                 wait_full(t);
-                turn_begin();
-                fence_registers();
+                    fence_registers();
                 wgmma_fence();
                 issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(t));
                 wgmma_commit();
                 issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1));
                 wgmma_commit();
-                turn_end(t);
                 wgmma_wait<1>();
                 fence_accumulators(s);
                 const RowPair ended = seg;
@@ -436,23 +409,19 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             }
             /* turn nb: P V of the last block */
             wait_full(nb);
-            turn_begin();
             fence_registers();
             wgmma_fence();
             issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1));
             wgmma_commit();
-            turn_end(nb);
             wgmma_wait<0>();
             fence_registers();
             release(nb);
             merge_ended(seg);
             t = nb + 1;
         }
-        /* the blocks its rows cannot see: keep the barriers' phases and the turns in step */
+        /* the blocks its rows cannot see: keep the barriers' phases in step */
         for (; t <= blocks; ++t) {
             wait_full(t);
-            turn_begin();
-            turn_end(t);
             release(t);
         }
 
