@@ -22,6 +22,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "../ops/attention.h"
 #include "common.cuh"
 
@@ -214,20 +216,29 @@ __device__ __forceinline__ void load_rows_async(uint32_t smem, RowPtr row_ptr, c
 
 /* The rows of a tile this thread copies (r0 + i ROW_STEP, 16-byte chunk c) from a stream of tiles:
  * src points at this thread's chunk of the tile's row r0; rows >= rows_in are zero-filled and not
- * read (`fallback`: any valid address). */
+ * read (`fallback`: any valid address). ROW_STEP is a multiple of 8, so the thread's rows share one
+ * swizzle phase (row % 8) and their shared-memory offsets are its first one plus constants. */
 template <int D, int ROWS, int THREADS, class Swizzle>
 __device__ __forceinline__ void load_thread_rows_async(uint32_t smem, const uint16_t *src, int64_t row_stride,
                                                        int rows_in, const void *fallback, int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
     static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
     constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+    static_assert(ROW_STEP % 8 == 0, "a thread's rows share their swizzle phase");
     const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
+    const uint32_t dst = smem + Swizzle::at(r0, c);
+    const int live_rows = rows_in - r0;
+    /* a whole tile (every block but a sequence's last) copies without a test per row */
+    auto copy = [&](auto whole_tile) {
 #pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const bool live = r0 + i * ROW_STEP < rows_in;
-        cp_async_16(smem + Swizzle::at(r0 + i * ROW_STEP, c),
-                    live ? (const void *)(src + i * ROW_STEP * row_stride) : fallback, live ? 16 : 0);
-    }
+        for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+            const bool live = whole_tile || i * ROW_STEP < live_rows;
+            cp_async_16(dst + Swizzle::at(i * ROW_STEP, 0), live ? (const void *)src : fallback, live ? 16 : 0);
+            src += ROW_STEP * row_stride;
+        }
+    };
+    if (rows_in >= ROWS) copy(std::true_type{});
+    else copy(std::false_type{});
 }
 
 /* ------------------------------------ forward ----------------------------------------------- */
