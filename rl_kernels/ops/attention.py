@@ -128,7 +128,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if k_new.shape != v_new.shape:
             raise ValueError("attention_with_kvcache(): k_new and v_new differ in shape")
         t_new = k_new.shape[1]
-    k_len = cached + t_new
+    k_len = cached + t_new if t_new else cached  # (no add kernel per decode step)
     if not cached.is_cuda:  # free to check here; on CUDA the kernels flag a bad range (no sync)
         if batch and int(cached.min()) < 0:
             raise ValueError(f"attention_with_kvcache(): cache_seqlens must be >= 0, got "
