@@ -255,6 +255,29 @@ def test_decode_batch_1_vs_16_and_stale_nan(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_long_cache_decode_vs_prefill(backend):
+    """Caches past 16 segments of 512 keys (the combine kernel reads a row's segment records 16 at
+    a time: 8193 keys = one record in the second batch, 16384 = two full batches, 17000 = 34
+    records): one batched decode step equals each sequence's prefill row and lse bitwise, and the
+    fp64 reference within bf16 rounding."""
+    lengths = [8193, 16384, 17000]
+    seqs = _sequences(lengths, hq=4, hkv=1, seed=70)
+    k_cache = torch.full((3, max(lengths) + 8, 1, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v_cache = k_cache.clone()
+    for b, n in enumerate(lengths):
+        k_cache[b, :n], v_cache[b, :n] = seqs[b][1][0], seqs[b][2][0]
+    q_last = torch.stack([s[0][0, -1:] for s in seqs])
+    out, lse = rl_kernels.attention_with_kvcache(q_last, k_cache, v_cache, i32(lengths), return_lse=True,
+                                                 backend=backend)
+    for b, (q, k, v) in enumerate(seqs):
+        full, full_lse = rl_kernels.attention(q, k, v, return_lse=True, backend=backend)
+        assert torch.equal(out[b], full[0, -1:]), f"sequence {b} ({lengths[b]} keys) vs prefill"
+        assert torch.equal(lse[b], full_lse[0, :, -1:]), f"lse of sequence {b} vs prefill"
+        ref, _ = attention_reference(q[:, -1:], k, v)
+        assert rel_err(out[b:b + 1], ref) < 4e-3, f"sequence {b} vs fp64"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_cuda_graph_decode_step(backend):
     """A captured decode step (k_new appended at cache_seqlens, a device tensor) replayed at new
     positions gives each position's prefill row."""
