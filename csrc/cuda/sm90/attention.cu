@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
              * softmax runs while that P V is on the tensor cores */
             for (t = 1; t < nb; ++t) {
                 wait_full(t);
-                    fence_registers();
+                fence_registers();
                 wgmma_fence();
                 issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(t));
                 wgmma_commit();
