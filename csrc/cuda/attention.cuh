@@ -1,12 +1,12 @@
 /* cuda/attention.cuh: what the attention forward of every architecture (sm80/attention.cu on
  * mma.sync, sm90/attention.cu on wgmma) shares: the per-sequence ranges and their check (a sequence
  * that breaks the contract is skipped and raises *bad_index), the contract's scaled(m), the row
- * state of a thread's two rows, its block update (update_rows, rescale_rows), the segment merge (merge_segment) and
- * the normalization (finalize_row), the cp.async tile loads (in each backend's swizzle), the
- * forward's kernel parameters, the split-KV combine kernel, and the host side: the layout checks
- * (supported), the schedule choice, the split workspace, the forward launch (launch_fwd; each
- * backend supplies its tile plan and attention_fwd_kernel) and the forward's entry point
- * (attention_fwd_entry). The contract is csrc/ops/attention.h.
+ * state of a thread's two rows, its block update (mask_block, update_rows, rescale_rows), the
+ * segment merge (merge_segment) and the normalization (finalize_row), the cp.async tile loads (in
+ * each backend's swizzle), the forward's kernel parameters, the split-KV combine kernel, and the
+ * host side: the layout checks (supported), the schedule choice, the split workspace, the forward
+ * launch (launch_fwd; each backend supplies its tile plan and attention_fwd_kernel) and the
+ * forward's entry point (attention_fwd_entry). The contract is csrc/ops/attention.h.
  *
  * The merge and the normalization are the contract's "one shared function per backend": both
  * schedules of a backend (prefill kernel, split kernel + combine kernel) call them, every product
@@ -92,6 +92,23 @@ __device__ __forceinline__ void set_empty(RowPair &st) {
     for (int h = 0; h < 2; ++h) {
         st.m[h] = -INFINITY;
         st.l[h] = 0.0f;
+    }
+}
+
+/* The contract's mask of one key block, before update_rows: a score whose key the row cannot see
+ * becomes -inf. Both backends' fragments hold, of row h, the columns 8 j + 2 (lane % 4) + e of the
+ * block (s(h, j, e) as in update_rows); key0: the absolute position of the block's first key;
+ * row_len: the visible keys of the thread's two rows. */
+template <class Scores>
+__device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_len)[2], Scores s) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns 8 j + e below are keys < L */
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (j * 8 + e >= visible) s(h, j, e) = -INFINITY;
     }
 }
 

@@ -190,19 +190,10 @@ __device__ __forceinline__ void attend_block(const uint32_t (&qf)[D / 16][4], ui
 #pragma unroll
     for (int kk = 1; kk < D / 16; ++kk) mma_rows_by_tile_rows<BF16, D, BLOCK_N / 8, false>(s, qf[kk], k_tile, 0, kk, lo);
 
-    if (masked) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns of s[.][2h] below are keys < L */
-#pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    if (nt * 8 + e >= visible) s[nt][2 * h + e] = -INFINITY;
-        }
-    }
+    auto scores = [&](int h, int nt, int e) -> float & { return s[nt][2 * h + e]; };
+    if (masked) mask_block(lane, key0, row_len, scores);
     float alpha[2];
-    update_rows(st, c, [&](int h, int j, int e) -> float & { return s[j][2 * h + e]; }, alpha);
+    update_rows(st, c, scores, alpha);
     rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[j][2 * h + e]; });
 
     /* acc += round(P) V over the block's 4 key k16 steps in order */

@@ -20,8 +20,8 @@
  *     are not synchronized with each other, so one's softmax also runs under the other's wgmmas. At
  *     each segment end the warpgroup merges the segment state into the row state (its o kept in
  *     shared memory, touched only there) and restarts the segment from empty; after its last block it
- *     normalizes and writes out and lse. A warpgroup skips the blocks none of its rows can see (the causal diagonal) but still
- *     waits for and releases them; the heaviest causal tiles start first.
+ *     normalizes and writes out and lse. A warpgroup skips the blocks none of its rows can see (the
+ *     causal diagonal) but still waits for and releases them; the heaviest causal tiles start first.
  *   attention_fwd_kernel<SPLIT = true> + attention_combine_kernel (split-KV decode): a CTA of one
  *     consumer warpgroup and the producer owns one (sequence, kv head, segment) and 64 rows made of
  *     the group's G query heads of consecutive queries (row = query * G + head in group), so one K/V
@@ -39,10 +39,10 @@
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
  * Why the two schedules give the same bits for a row:
- *   - the block update (block_scores, block_operands, then issue_pv), the segment merge (merge_segment) and the
- *     normalization (finalize_row; both in cuda/attention.cuh, the sm80 kernels' source) are each one
- *     function, every product and sum in them an explicitly rounded intrinsic (no contraction choice
- *     left to the compiler), exp2 is ex2.approx.ftz;
+ *   - the block update (block_scores, block_operands, then issue_pv), the segment merge
+ *     (merge_segment) and the normalization (finalize_row; all in cuda/attention.cuh, the sm80
+ *     kernels' source too) are each one function, every product and sum in them an explicitly
+ *     rounded intrinsic (no contraction choice left to the compiler), exp2 is ex2.approx.ftz;
  *   - a row's S and P V are wgmma m64 chains in one fixed order (S: the head_dim k16 steps from
  *     zero, N = 64; P V: the block's 4 key k16 steps onto the rescaled acc, N = head_dim) in both
  *     schedules; a wgmma row depends only on its own A row, so the rows packed beside it (other
@@ -145,18 +145,9 @@ __device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&p
  * in x[4 j + 2 h + e]. */
 __device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&alpha)[2]) {
-    if (masked) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns 8 j + e below are keys < L */
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    if (j * 8 + e >= visible) s[4 * j + 2 * h + e] = -INFINITY;
-        }
-    }
-    update_rows(st, c, [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; }, alpha);
+    auto scores = [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; };
+    if (masked) mask_block(lane, key0, row_len, scores);
+    update_rows(st, c, scores, alpha);
 }
 
 template <bool BF16, int D>
@@ -226,8 +217,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
 
-    /* wg, blocks and nb are broadcast from lane 0 (__shfl_sync) so that the compiler knows them warp-uniform:
-     * the turn loop's stage offsets and wgmma descriptors then live in uniform registers */
+    /* wg, blocks and nb are broadcast from lane 0 (__shfl_sync) so that the compiler knows them
+     * warp-uniform: the turn loop's stage offsets and wgmma descriptors then live in uniform registers */
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
     const int b = blockIdx.z;
@@ -294,7 +285,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int wg_max_len = wg_has_rows ? cta.len_of(min(wg_row0 + 63, cta.rows_in - 1)) : 0;
         const int wg_min_len = wg_has_rows ? cta.len_of(wg_row0) : 0;
         /* the blocks it attends: those with a key its last row sees, a prefix of the CTA's blocks */
-        const int nb = __shfl_sync(0xffffffffu, min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - cta.block_begin)), 0);
+        const int nb =
+            __shfl_sync(0xffffffffu, min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - cta.block_begin)), 0);
         const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
         int row_len[2];
 #pragma unroll
