@@ -342,8 +342,65 @@ def test_backward_deterministic_and_dq_rows_invariant(backend):
         assert all(torch.equal(x, y) for x, y in zip(grads_of(packed_fn, q, k, v, cot), packed))
     for slot, i in enumerate(order):
         s, e = int(cu[slot]), int(cu[slot + 1])
-        assert torch.equal(packed[0][s:e], alone[i][0][0]), f"out of sequence {i}"
-        assert torch.equal(packed[1][s:e], alone[i][1][0]), f"dq of sequence {i}"
+        for name, x, y in zip(("out", "dq", "dk", "dv"), packed, alone[i]):
+            assert torch.equal(x[s:e], y[0]), f"{name} of sequence {i}"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_backward_packed_and_left_padded_bitwise(backend, causal):
+    """Every sequence's dq, dk, dv bitwise the same alone, packed in another order and left-padded
+    in a batch (NaN in the padding of q, k, v and the cotangent: never read), with GQA 4:1, empty
+    sequences and lengths off the 64- and 128-row tiles; and the backend runs its own backward
+    kernel (sm90: wgmma) when it has one."""
+    assert kernel_registry.kernel_chain("attention_bwd", backend)[0] == f"attention_bwd_{backend}"
+    lengths = [700, 5, 0, 64, 129, 1, 257]
+    seqs = _sequences(lengths, hq=8, hkv=2, seed=100)
+    cots = [cuda_randn(*s[0].shape, seed=110 + i) for i, s in enumerate(seqs)]
+    fn = lambda q, k, v: rl_kernels.attention(q, k, v, causal=causal, backend=backend)  # noqa: E731
+    alone = [grads_of(fn, *s, c) for s, c in zip(seqs, cots)]
+    order = [3, 0, 5, 2, 6, 4, 1]
+    q, k, v, cu = pack_sequences([seqs[i] for i in order])
+    cot = torch.cat([cots[i][0] for i in order])
+    packed = grads_of(lambda q, k, v: rl_kernels.attention(  # noqa: E731
+        q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend), q, k, v, cot)
+    for slot, i in enumerate(order):
+        s, e = int(cu[slot]), int(cu[slot + 1])
+        for name, x, y in zip(("out", "dq", "dk", "dv"), packed, alone[i]):
+            assert torch.equal(x[s:e], y[0]), f"packed: {name} of sequence {i}"
+    t = 768
+    pq, pk, pv, pc = (torch.full((len(lengths), t, h, 128), float("nan"), dtype=torch.bfloat16,
+                                 device="cuda") for h in (8, 2, 2, 8))
+    starts = [t - n for n in lengths]
+    for b, (st, n) in enumerate(zip(starts, lengths)):
+        pq[b, st:], pk[b, st:], pv[b, st:] = (x[0] for x in seqs[b])
+        pc[b, st:] = cots[b][0]
+    start, length = i32(starts), i32(lengths)
+    padded = grads_of(lambda q, k, v: rl_kernels.attention(  # noqa: E731
+        q, k, v, causal=causal, q_start=start, q_len=length, k_start=start, k_len=length,
+        backend=backend), pq, pk, pv, pc)
+    for b, (st, n) in enumerate(zip(starts, lengths)):
+        for name, x, y in zip(("out", "dq", "dk", "dv"), padded, alone[b]):
+            assert torch.equal(x[b, st:], y[0]), f"left padding: {name} of sequence {b}"
+            assert torch.equal(x[b, :st], torch.zeros_like(x[b, :st])), f"{name} padding rows"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("tq,tk", [(127, 1000), (64, 300), (300, 64), (1, 129)])
+def test_backward_chunk_shapes_vs_fp64(backend, causal, tq, tk):
+    """Gradients when q is shorter or longer than k (causal aligned bottom-right, so SDPA cannot be
+    the reference): dq, dk, dv vs fp64 with a random cotangent; rows that see no key get dq = 0."""
+    q, k, v = qkv(2, tq, tk, 8, 2, 128, seed=tq * 3 + tk)
+    cot = cuda_randn(2, tq, 8, 128, seed=tq + tk)
+    got = grads_of(lambda q, k, v: rl_kernels.attention(q, k, v, causal=causal, backend=backend),
+                   q, k, v, cot)
+    want = grads_of(lambda q, k, v: attention_reference(q, k, v, causal)[0], q.double(), k.double(),
+                    v.double(), cot)
+    for name, mine, ref in zip(("out", "dq", "dk", "dv"), got, want):
+        assert rel_err(mine, ref) <= 1e-2, f"{name}: {rel_err(mine, ref):.3g}"
+    if causal and tq > tk:
+        assert torch.equal(got[1][:, :tq - tk], torch.zeros_like(got[1][:, :tq - tk]))
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

@@ -368,6 +368,71 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
                               head * p.lse.head_stride] = lse;
 }
 
+/* ------------------------------------ backward ---------------------------------------------- */
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+struct BwdParams {
+    rlk_attention_tensor q, k, v, out, lse, dout, dq, dk, dv;
+    Sequences seq;
+    int heads_q, heads_kv, group, causal;
+    float scale, scale_log2;
+    float2 *stats;   /* [batch][heads_q][stats_pitch] {lse * log2(e), sum_d dout * out} */
+    int stats_pitch; /* max_q_len rounded up to even: two rows are one 16-byte chunk */
+};
+
+/* The backward's first kernel, shared by the backends: 8 threads per (b, h, i) row: D = sum_d
+ * dout * out (each thread its 16-byte chunks j, j + 8, ... in order, then an xor tree of which
+ * thread 0's result is kept) and lse in log2 units. */
+template <bool BF16, int D>
+__global__ void __launch_bounds__(256) attention_bwd_prep_kernel(const BwdParams p, int64_t rows_total) {
+    const int64_t row = (int64_t)blockIdx.x * 32 + threadIdx.x / 8;
+    const int j = threadIdx.x % 8;
+    const int i = (int)(row % p.stats_pitch);
+    const int64_t bh = row / p.stats_pitch;
+    const int head = (int)(bh % p.heads_q), b = (int)(bh / p.heads_q);
+    SequenceRange range;
+    bool live = row < rows_total; /* every lane stays for the shuffles */
+    if (live) live = load_sequence(p.seq, b, range) && i < range.q_len;
+    const int64_t q_row = live ? range.q_start + i : 0;
+    float d = 0.0f;
+    if (live) {
+        const uint16_t *o = row_address(p.out, b, q_row, head), *g = row_address(p.dout, b, q_row, head);
+#pragma unroll
+        for (int c = j; c < D / 8; c += 8) {
+            const uint4 ov = *(const uint4 *)(o + 8 * c), gv = *(const uint4 *)(g + 8 * c);
+            const uint16_t *oh = (const uint16_t *)&ov, *gh = (const uint16_t *)&gv;
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                d = __fmaf_rn(half_bits_to_float<BF16>(gh[e]), half_bits_to_float<BF16>(oh[e]), d);
+        }
+    }
+    d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, 4));
+    d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, 2));
+    d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, 1));
+    if (live && j == 0) {
+        const float lse = ((const float *)p.lse.data)[b * p.lse.batch_stride + q_row * p.lse.row_stride +
+                                                      head * p.lse.head_stride];
+        p.stats[row] = make_float2(__fmul_rn(lse, LOG2E), d);
+    }
+}
+
+/* Stores a thread's two rows of an MMA accumulator tile (row h: first_row + thread_row + 8 h, when
+ * thread_row + 8 h < rows_in) times scale, rounded to the dtype. c(h, j, e): row h's accumulator at
+ * column 8 j + 2 (lane % 4) + e, the layout of both backends' fragments. */
+template <bool BF16, int D, class Accs>
+__device__ __forceinline__ void store_acc_rows(const rlk_attention_tensor &t, int b, int64_t first_row, int head,
+                                               int rows_in, int thread_row, int lane, float scale, Accs c) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (thread_row + 8 * h >= rows_in) continue;
+        uint16_t *dst = (uint16_t *)row_address(t, b, first_row + thread_row + 8 * h, head) + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *(uint32_t *)(dst + j * 8) = pack_half2<BF16>(__fmul_rn(c(h, j, 0), scale), __fmul_rn(c(h, j, 1), scale));
+    }
+}
+
 /* ------------------------------------ host -------------------------------------------------- */
 
 enum FwdSchedule { SCHEDULE_AUTO = 0, SCHEDULE_PREFILL = 1, SCHEDULE_SPLIT = 2 };
@@ -376,7 +441,7 @@ bool layout_ok(const rlk_attention_tensor &t) {
     return (uintptr_t)t.data % 16 == 0 && t.batch_stride % 8 == 0 && t.row_stride % 8 == 0 && t.head_stride % 8 == 0;
 }
 
-/* What the kernels take: dtype, head_dim, head grouping, 16-byte rows, grid limits; backward (sm80):
+/* What the kernels take: dtype, head_dim, head grouping, 16-byte rows, grid limits; backward:
  * also dout, dq, dk, dv and an lse. Every backend's forward checks exactly this, so which backend
  * runs a call never depends on its row counts. */
 bool supported(const rlk_attention_args *a, bool backward) {
@@ -489,6 +554,57 @@ int attention_fwd_entry(const rlk_attention_args *args, rlk_context *ctx, int fo
     if (args->head_dim == 64)
         return bf16 ? Forward<true, 64>::run(args, s, stream) : Forward<false, 64>::run(args, s, stream);
     return bf16 ? Forward<true, 128>::run(args, s, stream) : Forward<false, 128>::run(args, s, stream);
+}
+
+/* The backward's parameters from the call's arguments (stats: the workspace). */
+BwdParams bwd_params(const rlk_attention_args *a) {
+    BwdParams p;
+    p.q = a->q;
+    p.k = a->k;
+    p.v = a->v;
+    p.out = a->out;
+    p.lse = a->lse;
+    p.dout = a->dout;
+    p.dq = a->dq;
+    p.dk = a->dk;
+    p.dv = a->dv;
+    p.seq = sequences(a);
+    p.heads_q = (int)a->heads_q;
+    p.heads_kv = (int)a->heads_kv;
+    p.group = (int)(a->heads_q / a->heads_kv);
+    p.causal = a->causal != 0;
+    p.scale = a->softmax_scale;
+    p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
+    p.stats = (float2 *)a->workspace;
+    p.stats_pitch = (int)((a->max_q_len + 1) & ~(int64_t)1);
+    return p;
+}
+
+/* A backend's backward entry point (rlk_attention_bwd_<arch>): the layout check, the kernel's name
+ * and, when planning, the row-statistics workspace; then the prep kernel (above) and the backend's
+ * Backward<BF16, D>::run (its dK/dV and dQ kernels) for the dtype and head dim. */
+template <template <bool, int> class Backward>
+int attention_bwd_entry(const rlk_attention_args *args, rlk_context *ctx, const char *kernel) {
+    if (!supported(args, true)) return RLK_UNSUPPORTED;
+    ctx->kernel = kernel;
+    if (ctx->plan_only) {
+        ctx->workspace_bytes = args->batch * args->heads_q * ((args->max_q_len + 1) & ~(int64_t)1) * (int64_t)sizeof(float2);
+        return RLK_OK;
+    }
+    if (args->batch == 0) return RLK_OK;
+    cudaStream_t stream = (cudaStream_t)ctx->stream;
+    const bool bf16 = args->dtype == RLK_BF16;
+    const BwdParams p = bwd_params(args);
+    const int64_t stat_rows = args->batch * args->heads_q * p.stats_pitch;
+    if (stat_rows > 0) {
+        auto prep = args->head_dim == 64 ? (bf16 ? attention_bwd_prep_kernel<true, 64> : attention_bwd_prep_kernel<false, 64>)
+                                         : (bf16 ? attention_bwd_prep_kernel<true, 128> : attention_bwd_prep_kernel<false, 128>);
+        prep<<<(unsigned)((stat_rows + 31) / 32), 256, 0, stream>>>(p, stat_rows);
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) return (int)err;
+    }
+    if (args->head_dim == 64) return bf16 ? Backward<true, 64>::run(p, args, stream) : Backward<false, 64>::run(p, args, stream);
+    return bf16 ? Backward<true, 128>::run(p, args, stream) : Backward<false, 128>::run(p, args, stream);
 }
 
 }  // namespace

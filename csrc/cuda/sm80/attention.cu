@@ -84,8 +84,6 @@ namespace {
 
 static_assert(BLOCK_N == 64, "the kernels' key tiles are 64 keys (4 k16 steps of P V)");
 
-constexpr float LOG2E = 1.4426950408889634f;
-
 /* ------------------------------------ shared-memory tiles ----------------------------------- */
 
 /* Tiles of rows of D 16-bit elements; 16-byte chunk c of row r sits at chunk c ^ (r & 7), so the 8
@@ -362,51 +360,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
 /* ------------------------------------ backward ---------------------------------------------- */
 
-struct BwdParams {
-    rlk_attention_tensor q, k, v, out, lse, dout, dq, dk, dv;
-    Sequences seq;
-    int heads_q, heads_kv, group, causal;
-    float scale, scale_log2;
-    float2 *stats;       /* [batch][heads_q][stats_pitch] {lse * log2(e), sum_d dout * out} */
-    int stats_pitch;     /* max_q_len rounded up to even: two rows are one 16-byte chunk */
-};
-
-
-/* 8 threads per (b, h, i) row: D = sum_d dout * out (each thread its 16-byte chunks j, j + 8, ...
- * in order, then an xor tree of which thread 0's result is kept) and lse in log2 units. */
-template <bool BF16, int D>
-__global__ void __launch_bounds__(256) attention_bwd_prep_kernel(const BwdParams p, int64_t rows_total) {
-    const int64_t row = (int64_t)blockIdx.x * 32 + threadIdx.x / 8;
-    const int j = threadIdx.x % 8;
-    const int i = (int)(row % p.stats_pitch);
-    const int64_t bh = row / p.stats_pitch;
-    const int head = (int)(bh % p.heads_q), b = (int)(bh / p.heads_q);
-    SequenceRange range;
-    bool live = row < rows_total; /* every lane stays for the shuffles */
-    if (live) live = load_sequence(p.seq, b, range) && i < range.q_len;
-    const int64_t q_row = live ? range.q_start + i : 0;
-    float d = 0.0f;
-    if (live) {
-        const uint16_t *o = row_address(p.out, b, q_row, head), *g = row_address(p.dout, b, q_row, head);
-#pragma unroll
-        for (int c = j; c < D / 8; c += 8) {
-            const uint4 ov = *(const uint4 *)(o + 8 * c), gv = *(const uint4 *)(g + 8 * c);
-            const uint16_t *oh = (const uint16_t *)&ov, *gh = (const uint16_t *)&gv;
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                d = __fmaf_rn(half_bits_to_float<BF16>(gh[e]), half_bits_to_float<BF16>(oh[e]), d);
-        }
-    }
-    d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, 4));
-    d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, 2));
-    d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, 1));
-    if (live && j == 0) {
-        const float lse = ((const float *)p.lse.data)[b * p.lse.batch_stride + q_row * p.lse.row_stride +
-                                                      head * p.lse.head_stride];
-        p.stats[row] = make_float2(__fmul_rn(lse, LOG2E), d);
-    }
-}
-
 constexpr int BWD_ROWS = 64;    /* keys per dK/dV CTA, query rows per dQ CTA (4 warps x 16) */
 constexpr int BWD_THREADS = 128;
 
@@ -419,22 +372,6 @@ struct BwdTiles {
     /* dQ: Q, dO resident; 2 stages of (K, V) */
     static constexpr int DQ_SMEM_BYTES = 2 * TILE_BYTES + 2 * 2 * TILE_BYTES;
 };
-
-template <bool BF16, int D>
-__device__ __forceinline__ void store_fragment_rows(const rlk_attention_tensor &t, int b, int64_t first_row, int head,
-                                                    int rows_in, int slab0, int lane, float scale,
-                                                    const float (&c)[D / 8][4]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = slab0 + (lane >> 2) + 8 * h;
-        if (r >= rows_in) continue;
-        uint16_t *dst = (uint16_t *)row_address(t, b, first_row + r, head) + 2 * (lane & 3);
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt)
-            *(uint32_t *)(dst + nt * 8) =
-                pack_half2<BF16>(__fmul_rn(c[nt][2 * h], scale), __fmul_rn(c[nt][2 * h + 1], scale));
-    }
-}
 
 template <bool BF16, int D>
 __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(const BwdParams p) {
@@ -565,8 +502,11 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(cons
         }
     }
     cp_async_wait<0>();
-    store_fragment_rows<BF16, D>(p.dv, b, k_row0, kv_head, keys_in, warp * 16, lane, 1.0f, dv);
-    store_fragment_rows<BF16, D>(p.dk, b, k_row0, kv_head, keys_in, warp * 16, lane, p.scale, dk);
+    const int thread_row = warp * 16 + (lane >> 2);
+    store_acc_rows<BF16, D>(p.dv, b, k_row0, kv_head, keys_in, thread_row, lane, 1.0f,
+                            [&](int h, int j, int e) { return dv[j][2 * h + e]; });
+    store_acc_rows<BF16, D>(p.dk, b, k_row0, kv_head, keys_in, thread_row, lane, p.scale,
+                            [&](int h, int j, int e) { return dk[j][2 * h + e]; });
 }
 
 template <bool BF16, int D>
@@ -685,7 +625,8 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
         }
     }
     cp_async_wait<0>();
-    store_fragment_rows<BF16, D>(p.dq, b, q_row0, head, rows_in, warp_row0, lane, p.scale, dq);
+    store_acc_rows<BF16, D>(p.dq, b, q_row0, head, rows_in, warp_row0 + (lane >> 2), lane, p.scale,
+                            [&](int h, int j, int e) { return dq[j][2 * h + e]; });
 }
 
 /* ------------------------------------ host -------------------------------------------------- */
@@ -699,55 +640,32 @@ struct Forward {
 };
 
 template <bool BF16, int D>
-int run_bwd(const rlk_attention_args *a, cudaStream_t stream) {
-    using Tiles = BwdTiles<D>;
-    BwdParams p;
-    p.q = a->q;
-    p.k = a->k;
-    p.v = a->v;
-    p.out = a->out;
-    p.lse = a->lse;
-    p.dout = a->dout;
-    p.dq = a->dq;
-    p.dk = a->dk;
-    p.dv = a->dv;
-    p.seq = sequences(a);
-    p.heads_q = (int)a->heads_q;
-    p.heads_kv = (int)a->heads_kv;
-    p.group = (int)(a->heads_q / a->heads_kv);
-    p.causal = a->causal != 0;
-    p.scale = a->softmax_scale;
-    p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
-    p.stats = (float2 *)a->workspace;
-    p.stats_pitch = (int)((a->max_q_len + 1) & ~(int64_t)1);
-    if (a->batch == 0) return RLK_OK;
-
-    cudaError_t err = cudaSuccess;
-    const int64_t stat_rows = a->batch * a->heads_q * p.stats_pitch;
-    if (stat_rows > 0) {
-        attention_bwd_prep_kernel<BF16, D><<<(unsigned)((stat_rows + 31) / 32), 256, 0, stream>>>(p, stat_rows);
-        err = cudaGetLastError();
-        if (err != cudaSuccess) return (int)err;
+struct Backward {
+    static int run(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream) {
+        using Tiles = BwdTiles<D>;
+        cudaError_t err = cudaSuccess;
+        if (a->max_k_len > 0) {
+            auto kernel = attention_bwd_dkdv_kernel<BF16, D>;
+            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DKDV_SMEM_BYTES);
+            if (err != cudaSuccess) return (int)err;
+            kernel<<<dim3((unsigned)((a->max_k_len + BWD_ROWS - 1) / BWD_ROWS), (unsigned)a->heads_kv,
+                          (unsigned)a->batch),
+                     BWD_THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
+            err = cudaGetLastError();
+            if (err != cudaSuccess) return (int)err;
+        }
+        if (a->max_q_len > 0) {
+            auto kernel = attention_bwd_dq_kernel<BF16, D>;
+            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DQ_SMEM_BYTES);
+            if (err != cudaSuccess) return (int)err;
+            kernel<<<dim3((unsigned)((a->max_q_len + BWD_ROWS - 1) / BWD_ROWS), (unsigned)a->heads_q,
+                          (unsigned)a->batch),
+                     BWD_THREADS, Tiles::DQ_SMEM_BYTES, stream>>>(p);
+            err = cudaGetLastError();
+        }
+        return (int)err;
     }
-    if (a->max_k_len > 0) {
-        auto kernel = attention_bwd_dkdv_kernel<BF16, D>;
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DKDV_SMEM_BYTES);
-        if (err != cudaSuccess) return (int)err;
-        kernel<<<dim3((unsigned)((a->max_k_len + BWD_ROWS - 1) / BWD_ROWS), (unsigned)a->heads_kv, (unsigned)a->batch),
-                 BWD_THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
-        err = cudaGetLastError();
-        if (err != cudaSuccess) return (int)err;
-    }
-    if (a->max_q_len > 0) {
-        auto kernel = attention_bwd_dq_kernel<BF16, D>;
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DQ_SMEM_BYTES);
-        if (err != cudaSuccess) return (int)err;
-        kernel<<<dim3((unsigned)((a->max_q_len + BWD_ROWS - 1) / BWD_ROWS), (unsigned)a->heads_q, (unsigned)a->batch),
-                 BWD_THREADS, Tiles::DQ_SMEM_BYTES, stream>>>(p);
-        err = cudaGetLastError();
-    }
-    return (int)err;
-}
+};
 
 }  // namespace
 
@@ -762,14 +680,5 @@ extern "C" int rlk_attention_fwd_sm80(const rlk_attention_args *args, rlk_contex
 }
 
 extern "C" int rlk_attention_bwd_sm80(const rlk_attention_args *args, rlk_context *ctx) {
-    if (!supported(args, true)) return RLK_UNSUPPORTED;
-    ctx->kernel = "attention_bwd_sm80";
-    if (ctx->plan_only) {
-        ctx->workspace_bytes = args->batch * args->heads_q * ((args->max_q_len + 1) & ~(int64_t)1) * (int64_t)sizeof(float2);
-        return RLK_OK;
-    }
-    cudaStream_t stream = (cudaStream_t)ctx->stream;
-    const bool bf16 = args->dtype == RLK_BF16;
-    if (args->head_dim == 64) return bf16 ? run_bwd<true, 64>(args, stream) : run_bwd<false, 64>(args, stream);
-    return bf16 ? run_bwd<true, 128>(args, stream) : run_bwd<false, 128>(args, stream);
+    return attention_bwd_entry<Backward>(args, ctx, "attention_bwd_sm80");
 }

@@ -111,6 +111,50 @@ __device__ __forceinline__ uint32_t k_major_step(int kk) {
     return (kk >> 2) * BOX + (kk & 3) * 32;
 }
 
+/* ------------------------------------ the K/V ring ----------------------------------------- */
+
+/* A ring of STAGES shared-memory stages between a producer warpgroup (cp.async) and consumer warps,
+ * on two mbarriers per stage: full (the producer's copies have landed and were fenced for the tensor
+ * cores: its 128 threads arrive) and empty (every consumer warp is done with the stage: lane 0 of
+ * each arrives). Item j of a stream uses stage j % STAGES, on barrier phase (j / STAGES) & 1. */
+template <int STAGES>
+struct Ring {
+    uint32_t full_bar, empty_bar; /* STAGES barriers each, 8 bytes apart */
+
+    __device__ __forceinline__ void init(int consumer_warps) const {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 128);
+            mbar_init(empty_bar + 8 * s, consumer_warps);
+        }
+    }
+    /* producer warpgroup: for j < count, waits until stage j % STAGES is free, issues load(j, stage)
+     * (this thread's cp.async copies), and once item j - 1's copies have landed (cp.async.wait_group,
+     * then fence.proxy.async so the tensor cores see them) marks that item full */
+    template <class Load>
+    __device__ __forceinline__ void produce(int count, Load load) const {
+        for (int j = 0; j < count; ++j) {
+            const int s = j % STAGES;
+            mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
+            load(j, s);
+            cp_async_commit();
+            if (j > 0) {
+                cp_async_wait<1>();
+                fence_proxy_async_smem();
+                mbar_arrive(full_bar + 8 * ((j - 1) % STAGES));
+            }
+        }
+        if (count > 0) {
+            cp_async_wait<0>();
+            fence_proxy_async_smem();
+            mbar_arrive(full_bar + 8 * ((count - 1) % STAGES));
+        }
+    }
+    __device__ __forceinline__ void wait_full(int j) const { mbar_wait(full_bar + 8 * (j % STAGES), (j / STAGES) & 1); }
+    __device__ __forceinline__ void release(int j, int lane) const {
+        if (lane == 0) mbar_arrive(empty_bar + 8 * (j % STAGES));
+    }
+};
+
 /* ------------------------------------ forward ----------------------------------------------- */
 
 /* The wgmmas of one block, issued into the current commit group (the caller fences and commits).
@@ -212,7 +256,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
     constexpr int WARPGROUPS = Tiles::WARPGROUPS;
     extern __shared__ unsigned char smem_raw[];
-    const uint32_t full_bar = smem_u32(smem_raw), empty_bar = full_bar + 8 * STAGES;
+    const uint32_t full_bar = smem_u32(smem_raw);
     const uint32_t q_tile = (full_bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
@@ -227,12 +271,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
     const int64_t q_row0 = cta.range.q_start, k_row0 = cta.range.k_start;
 
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar + 8 * s, 128);             /* the producer warpgroup's threads */
-            mbar_init(empty_bar + 8 * s, 4 * WARPGROUPS); /* lane 0 of every consumer warp */
-        }
-    }
+    const Ring<STAGES> ring{full_bar, full_bar + 8 * STAGES};
+    if (tid == 0) ring.init(4 * WARPGROUPS);
     if (tid < Tiles::CONSUMER_THREADS) {
         load_rows_async<D, ROWS, Tiles::CONSUMER_THREADS, BoxSwizzle<ROWS>>(
             q_tile,
@@ -256,27 +296,14 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int64_t thread_col = 8 * (ptid % (D / 8));
         const uint16_t *k_src = row_address(p.k, b, thread_row, cta.kv_head) + thread_col;
         const uint16_t *v_src = row_address(p.v, b, thread_row, cta.kv_head) + thread_col;
-        for (int j = 0; j < blocks; ++j) {
-            const int s = j % STAGES;
-            mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
+        ring.produce(blocks, [&](int j, int s) {
             const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
             const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
             load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
             load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
-            cp_async_commit();
             k_src += BLOCK_N * p.k.row_stride;
             v_src += BLOCK_N * p.v.row_stride;
-            if (j > 0) { /* block j - 1 has landed */
-                cp_async_wait<1>();
-                fence_proxy_async_smem();
-                mbar_arrive(full_bar + 8 * ((j - 1) % STAGES));
-            }
-        }
-        if (blocks > 0) {
-            cp_async_wait<0>();
-            fence_proxy_async_smem();
-            mbar_arrive(full_bar + 8 * ((blocks - 1) % STAGES));
-        }
+        });
     } else {
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of the tile */
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
@@ -320,10 +347,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
         /* turn t: wait for block t (t < blocks), issue, wait for the wgmmas, release block t - 1 */
         auto wait_full = [&](int t) {
-            if (t < blocks) mbar_wait(full_bar + 8 * (t % STAGES), (t / STAGES) & 1);
+            if (t < blocks) ring.wait_full(t);
         };
         auto release = [&](int t) {
-            if (t >= 1 && lane == 0) mbar_arrive(empty_bar + 8 * ((t - 1) % STAGES));
+            if (t >= 1) ring.release(t - 1, lane);
         };
         auto stage_bytes = [&](int t) { return (uint32_t)((t % STAGES) * 2 * KV_BYTES); };
         /* keeps the registers of in-flight wgmmas (pa too: P V reads it) live and in place */
@@ -450,6 +477,314 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     }
 }
 
+/* ------------------------------------ backward ---------------------------------------------- */
+
+/* Both backward kernels: two consumer warpgroups and a producer warpgroup (setmaxnreg as the forward's),
+ * one CTA per SM. Per block and warpgroup the same wgmma shapes as the forward: two m64n64 products
+ * over head_dim (issue_scores: S and dP, or S^T and dP^T) into one commit group, the elementwise
+ * P = exp2(S c - lse2) (0 where the query cannot see the key) and dS = P (dP - D) in registers, then
+ * one or two m64n{d} products over the block's 64 rows with P or dS rounded to the dtype as the
+ * register A operand (issue_pv).
+ *   attention_bwd_dkdv_kernel: a CTA owns 128 keys of one (sequence, kv head), 64 per warpgroup, K and V
+ *     resident; the producer streams (Q, dO, row stats) of the 64-query blocks that can see them, for
+ *     each query head of the group in increasing order and each block in increasing order. Per block:
+ *     S^T = K Q^T, dP^T = V dO^T; dV += P^T dO, dK += dS^T Q.
+ *   attention_bwd_dq_kernel: a CTA owns 128 query rows of one (sequence, head), 64 per warpgroup, Q and
+ *     dO resident; the producer streams the K and V blocks its rows see (as the forward's). Per block:
+ *     S = Q K^T, dP = dO V^T; dQ += dS K.
+ * Each accumulator row is one chain in a fixed order (dK, dV: the group's heads, then the query blocks
+ * and their 4 k16 steps, in increasing order; dQ: the key blocks and their k16 steps in increasing
+ * order) from zero, so the backward is bitwise deterministic; query blocks are aligned at the sequence's
+ * first query and key blocks at its first key, so a sequence's gradients do not depend on the other
+ * sequences of the batch. A block a row cannot see adds exact zeros (P = 0 selected). */
+template <int D>
+struct BwdTiles {
+    static constexpr int WARPGROUPS = 2, THREADS = 128 * (WARPGROUPS + 1);
+    static constexpr int ROWS = 64 * WARPGROUPS; /* keys (dK/dV) or query rows (dQ) a CTA owns */
+    static constexpr int TILE_BYTES = BLOCK_N * D * 2; /* a 64-row tile */
+    static constexpr int RESIDENT_BYTES = 2 * WARPGROUPS * TILE_BYTES; /* K, V or Q, dO of the CTA's rows */
+    /* dK/dV stage: Q, dO, 64 float2 row stats (in a 1 KB slot, so the next stage's tiles stay 1024-aligned);
+     * dQ stage: K, V */
+    static constexpr int DKDV_STAGE_BYTES = 2 * TILE_BYTES + TILE_ALIGN;
+    static constexpr int DQ_STAGE_BYTES = 2 * TILE_BYTES;
+    static constexpr int STAGES = 3;
+    static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
+    static constexpr int DKDV_SMEM_BYTES = TILE_ALIGN + RESIDENT_BYTES + STAGES * DKDV_STAGE_BYTES;
+    static constexpr int DQ_SMEM_BYTES = TILE_ALIGN + RESIDENT_BYTES + STAGES * DQ_STAGE_BYTES;
+    static constexpr int ENTRY_REGS = (65536 / THREADS) & ~7;
+    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
+};
+
+/* P and dS of one block in place (s: S or S^T, dp: dP or dP^T, accumulator layout), then their A
+ * fragments: p_j = exp2(fma(s_j, c, -lse2)) where visible(h, j, e), else 0; ds_j = p_j (dp_j - D).
+ * stat(h, j, e): the {lse2, D} of the query of element (h, j, e). */
+template <bool BF16, class Visible, class Stat>
+__device__ __forceinline__ void block_gradients(float (&s)[BLOCK_N / 2], float (&dp)[BLOCK_N / 2], float c,
+                                                Visible visible, Stat stat, uint32_t (&pa)[BLOCK_N / 16][4],
+                                                uint32_t (&dsa)[BLOCK_N / 16][4]) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int x = 4 * j + 2 * h + e;
+                const float2 st = stat(h, j, e);
+                const float p = visible(h, j, e) ? exp2_approx(__fmaf_rn(s[x], c, -st.x)) : 0.0f;
+                s[x] = p;
+                dp[x] = __fmul_rn(p, __fsub_rn(dp[x], st.y));
+            }
+#pragma unroll
+    for (int t = 0; t < BLOCK_N / 16; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            pa[t][i] = pack_half2<BF16>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
+            dsa[t][i] = pack_half2<BF16>(dp[8 * t + 2 * i], dp[8 * t + 2 * i + 1]);
+        }
+}
+
+template <bool BF16, int D>
+__global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_kernel(const BwdParams p) {
+    using Tiles = BwdTiles<D>;
+    constexpr int STAGES = Tiles::STAGES, ROWS = Tiles::ROWS, TILE_BYTES = Tiles::TILE_BYTES;
+    constexpr int STAGE_BYTES = Tiles::DKDV_STAGE_BYTES;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t bar = smem_u32(smem_raw);
+    const uint32_t k_tile = (bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
+    const uint32_t v_tile = k_tile + ROWS * D * 2, ring_tiles = v_tile + ROWS * D * 2;
+    if (ring_tiles + STAGES * STAGE_BYTES > bar + Tiles::DKDV_SMEM_BYTES) __trap();
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int warp_in_wg = (tid >> 5) & 3;
+    const int b = blockIdx.z, kv_head = blockIdx.y, key0 = blockIdx.x * ROWS;
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range)) return;
+    const int q_len = range.q_len, k_len = range.k_len;
+    if (key0 >= k_len) return;
+    const int keys_in = min(ROWS, k_len - key0);
+    const int64_t q_row0 = range.q_start, k_row0 = range.k_start + key0;
+
+    /* the query blocks that can see key0, per head of the group, in increasing order */
+    const int first_query = p.causal ? max(0, key0 - (k_len - q_len)) : 0;
+    const int qb_begin = first_query / BLOCK_N;
+    const int qb_count = __shfl_sync(0xffffffffu, first_query < q_len ? (q_len + BLOCK_N - 1) / BLOCK_N - qb_begin : 0, 0);
+    const int iters = p.group * qb_count;
+
+    const Ring<STAGES> ring{bar, bar + 8 * STAGES};
+    if (tid == 0) ring.init(4 * Tiles::WARPGROUPS);
+    if (tid < 128 * Tiles::WARPGROUPS) {
+        load_rows_async<D, ROWS, 128 * Tiles::WARPGROUPS, BoxSwizzle<ROWS>>(
+            k_tile, [&](int r) -> const uint16_t * { return r < keys_in ? row_address(p.k, b, k_row0 + r, kv_head) : nullptr; },
+            p.k.data, tid);
+        load_rows_async<D, ROWS, 128 * Tiles::WARPGROUPS, BoxSwizzle<ROWS>>(
+            v_tile, [&](int r) -> const uint16_t * { return r < keys_in ? row_address(p.v, b, k_row0 + r, kv_head) : nullptr; },
+            p.v.data, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+    }
+    __syncthreads();
+
+    auto query_block = [&](int it, int &head, int &q0, int &rows_in) {
+        head = kv_head * p.group + it / qb_count;
+        q0 = (qb_begin + it % qb_count) * BLOCK_N;
+        rows_in = min(BLOCK_N, q_len - q0);
+    };
+    if (wg == Tiles::WARPGROUPS) {
+        /* producer: Q, dO and the stats of each query block; rows past the sequence zero-filled */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
+        const int ptid = tid - 128 * Tiles::WARPGROUPS;
+        const int thread_row = ptid / (D / 8), thread_col = 8 * (ptid % (D / 8));
+        ring.produce(iters, [&](int it, int s) {
+            int head, q0, rows_in;
+            query_block(it, head, q0, rows_in);
+            const uint32_t dst = ring_tiles + s * STAGE_BYTES;
+            const int64_t row = q_row0 + q0 + thread_row;
+            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(
+                dst, row_address(p.q, b, row, head) + thread_col, p.q.row_stride, rows_in, p.q.data, ptid);
+            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(
+                dst + TILE_BYTES, row_address(p.dout, b, row, head) + thread_col, p.dout.row_stride, rows_in, p.dout.data,
+                ptid);
+            if (ptid < BLOCK_N / 2) { /* stats of rows 2 ptid, 2 ptid + 1: one 16-byte chunk */
+                const int bytes = min(max(rows_in - 2 * ptid, 0), 2) * 8;
+                const float2 *src = p.stats + ((int64_t)b * p.heads_q + head) * p.stats_pitch + q0 + 2 * ptid;
+                cp_async_16(dst + 2 * TILE_BYTES + 16 * ptid, bytes ? (const void *)src : (const void *)p.stats, bytes);
+            }
+        });
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
+        const int wg_key0 = key0 + 64 * wg; /* this warpgroup's keys, relative to the sequence */
+        const int thread_key = wg_key0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
+        const SmemDesc k_desc = k_major_desc(k_tile + wg * 64 * 128), v_desc = k_major_desc(v_tile + wg * 64 * 128);
+        const SmemDesc q_desc = k_major_desc(ring_tiles), do_desc = k_major_desc(ring_tiles + TILE_BYTES);
+        const SmemDesc q_mn_desc = mn_major_desc(ring_tiles), do_mn_desc = mn_major_desc(ring_tiles + TILE_BYTES);
+        const float c = p.scale_log2;
+        float dk[D / 2], dv[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+
+        for (int it = 0; it < iters; ++it) {
+            int head, q0, rows_in;
+            query_block(it, head, q0, rows_in);
+            ring.wait_full(it);
+            /* the block's last query sees the most keys: skip it when none sees this warpgroup's keys */
+            if (wg_key0 < visible_keys(q0 + rows_in - 1, q_len, k_len, p.causal)) {
+                const uint32_t stage_bytes = (uint32_t)((it % STAGES) * STAGE_BYTES);
+                float st[BLOCK_N / 2], dpt[BLOCK_N / 2];
+                uint32_t pa[BLOCK_N / 16][4], dsa[BLOCK_N / 16][4];
+                wgmma_fence();
+                issue_scores<BF16, D, ROWS * 128>(st, k_desc, q_desc, stage_bytes);
+                issue_scores<BF16, D, ROWS * 128>(dpt, v_desc, do_desc, stage_bytes);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_accumulators(st);
+                fence_accumulators(dpt);
+                const float2 *stats = (const float2 *)(smem_raw + (ring_tiles - bar) + stage_bytes + 2 * TILE_BYTES);
+                /* element (h, j, e): key thread_key + 8 h, query q0 + 8 j + 2 (lane % 4) + e */
+                const bool masked = rows_in < BLOCK_N || wg_key0 + 64 > visible_keys(q0, q_len, k_len, p.causal);
+                auto query = [&](int j, int e) { return 8 * j + 2 * (lane & 3) + e; };
+                block_gradients<BF16>(
+                    st, dpt, c,
+                    [&](int h, int j, int e) {
+                        const int i = query(j, e);
+                        return !masked ||
+                               (i < rows_in && thread_key + 8 * h < visible_keys(q0 + i, q_len, k_len, p.causal));
+                    },
+                    [&](int, int j, int e) { return stats[query(j, e)]; }, pa, dsa);
+                wgmma_fence();
+                issue_pv<BF16, D>(dv, pa, do_mn_desc, stage_bytes);
+                issue_pv<BF16, D>(dk, dsa, q_mn_desc, stage_bytes);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_accumulators(dv);
+                fence_accumulators(dk);
+            }
+            ring.release(it, lane);
+        }
+        const int thread_row = 64 * wg + 16 * warp_in_wg + (lane >> 2);
+        store_acc_rows<BF16, D>(p.dv, b, k_row0, kv_head, keys_in, thread_row, lane, 1.0f,
+                                [&](int h, int j, int e) { return dv[4 * j + 2 * h + e]; });
+        store_acc_rows<BF16, D>(p.dk, b, k_row0, kv_head, keys_in, thread_row, lane, p.scale,
+                                [&](int h, int j, int e) { return dk[4 * j + 2 * h + e]; });
+    }
+}
+
+template <bool BF16, int D>
+__global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kernel(const BwdParams p) {
+    using Tiles = BwdTiles<D>;
+    constexpr int STAGES = Tiles::STAGES, ROWS = Tiles::ROWS, TILE_BYTES = Tiles::TILE_BYTES;
+    constexpr int STAGE_BYTES = Tiles::DQ_STAGE_BYTES;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t bar = smem_u32(smem_raw);
+    const uint32_t q_tile = (bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
+    const uint32_t do_tile = q_tile + ROWS * D * 2, ring_tiles = do_tile + ROWS * D * 2;
+    if (ring_tiles + STAGES * STAGE_BYTES > bar + Tiles::DQ_SMEM_BYTES) __trap();
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int warp_in_wg = (tid >> 5) & 3;
+    const int b = blockIdx.z, head = blockIdx.x, kv_head = head / p.group;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * ROWS; /* the causal tiles with the most keys first */
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range)) return;
+    const int q_len = range.q_len, k_len = range.k_len;
+    const int rows_in = min(ROWS, q_len - q0);
+    if (rows_in <= 0) return;
+    const int64_t q_row0 = range.q_start + q0, k_row0 = range.k_start;
+    auto len_of = [&](int r) { return visible_keys(q0 + r, q_len, k_len, p.causal); };
+    const int blocks = __shfl_sync(0xffffffffu, (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N, 0);
+
+    const Ring<STAGES> ring{bar, bar + 8 * STAGES};
+    if (tid == 0) ring.init(4 * Tiles::WARPGROUPS);
+    if (tid < 128 * Tiles::WARPGROUPS) {
+        load_rows_async<D, ROWS, 128 * Tiles::WARPGROUPS, BoxSwizzle<ROWS>>(
+            q_tile, [&](int r) -> const uint16_t * { return r < rows_in ? row_address(p.q, b, q_row0 + r, head) : nullptr; },
+            p.q.data, tid);
+        load_rows_async<D, ROWS, 128 * Tiles::WARPGROUPS, BoxSwizzle<ROWS>>(
+            do_tile,
+            [&](int r) -> const uint16_t * { return r < rows_in ? row_address(p.dout, b, q_row0 + r, head) : nullptr; },
+            p.dout.data, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+    }
+    __syncthreads();
+
+    if (wg == Tiles::WARPGROUPS) {
+        /* producer: K and V of blocks 0 .. blocks - 1, rows past k_len zero-filled (as the forward's) */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
+        const int ptid = tid - 128 * Tiles::WARPGROUPS;
+        const int64_t thread_row = k_row0 + ptid / (D / 8);
+        const int64_t thread_col = 8 * (ptid % (D / 8));
+        const uint16_t *k_src = row_address(p.k, b, thread_row, kv_head) + thread_col;
+        const uint16_t *v_src = row_address(p.v, b, thread_row, kv_head) + thread_col;
+        ring.produce(blocks, [&](int j, int s) {
+            const uint32_t dst = ring_tiles + s * STAGE_BYTES;
+            const int keys_in = k_len - j * BLOCK_N;
+            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
+            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + TILE_BYTES, v_src, p.v.row_stride, keys_in,
+                                                                       p.v.data, ptid);
+            k_src += BLOCK_N * p.k.row_stride;
+            v_src += BLOCK_N * p.v.row_stride;
+        });
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
+        const int wg_row0 = 64 * wg;
+        const bool wg_has_rows = wg_row0 < rows_in;
+        const int wg_max_len = wg_has_rows ? len_of(min(wg_row0 + 63, rows_in - 1)) : 0;
+        const int wg_min_len = wg_has_rows ? len_of(wg_row0) : 0;
+        const int nb = __shfl_sync(0xffffffffu, (wg_max_len + BLOCK_N - 1) / BLOCK_N, 0); /* blocks it attends */
+        const int thread_row = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
+        int row_len[2];
+        float2 row_stat[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = thread_row + 8 * h;
+            row_len[h] = r < rows_in ? len_of(r) : 0;
+            row_stat[h] = r < rows_in ? p.stats[((int64_t)b * p.heads_q + head) * p.stats_pitch + q0 + r]
+                                      : make_float2(0.0f, 0.0f);
+        }
+        const SmemDesc q_desc = k_major_desc(q_tile + wg_row0 * 128), do_desc = k_major_desc(do_tile + wg_row0 * 128);
+        const SmemDesc k_desc = k_major_desc(ring_tiles), v_desc = k_major_desc(ring_tiles + TILE_BYTES);
+        const SmemDesc k_mn_desc = mn_major_desc(ring_tiles);
+        const float c = p.scale_log2;
+        float dq[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) dq[i] = 0.0f;
+
+        for (int t = 0; t < blocks; ++t) {
+            ring.wait_full(t);
+            if (t < nb) {
+                const uint32_t stage_bytes = (uint32_t)((t % STAGES) * STAGE_BYTES);
+                float s[BLOCK_N / 2], dp[BLOCK_N / 2];
+                uint32_t pa[BLOCK_N / 16][4], dsa[BLOCK_N / 16][4];
+                wgmma_fence();
+                issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes);
+                issue_scores<BF16, D, ROWS * 128>(dp, do_desc, v_desc, stage_bytes);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_accumulators(s);
+                fence_accumulators(dp);
+                /* element (h, j, e): row thread_row + 8 h, key 64 t + 8 j + 2 (lane % 4) + e */
+                const int key0 = t * BLOCK_N;
+                const bool masked = key0 + BLOCK_N > wg_min_len;
+                block_gradients<BF16>(
+                    s, dp, c,
+                    [&](int h, int j, int e) { return !masked || key0 + 8 * j + 2 * (lane & 3) + e < row_len[h]; },
+                    [&](int h, int, int) { return row_stat[h]; }, pa, dsa);
+                wgmma_fence();
+                issue_pv<BF16, D>(dq, dsa, k_mn_desc, stage_bytes);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_accumulators(dq);
+            }
+            ring.release(t, lane);
+        }
+        store_acc_rows<BF16, D>(p.dq, b, q_row0, head, rows_in, thread_row, lane, p.scale,
+                                [&](int h, int j, int e) { return dq[4 * j + 2 * h + e]; });
+    }
+}
+
 /* ------------------------------------ host -------------------------------------------------- */
 
 template <bool BF16, int D>
@@ -457,6 +792,34 @@ struct Forward {
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
                                             attention_fwd_kernel<BF16, D, true>);
+    }
+};
+
+template <bool BF16, int D>
+struct Backward {
+    static int run(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream) {
+        using Tiles = BwdTiles<D>;
+        cudaError_t err = cudaSuccess;
+        if (a->max_k_len > 0) {
+            auto kernel = attention_bwd_dkdv_kernel<BF16, D>;
+            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DKDV_SMEM_BYTES);
+            if (err != cudaSuccess) return (int)err;
+            kernel<<<dim3((unsigned)((a->max_k_len + Tiles::ROWS - 1) / Tiles::ROWS), (unsigned)a->heads_kv,
+                          (unsigned)a->batch),
+                     Tiles::THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
+            err = cudaGetLastError();
+            if (err != cudaSuccess) return (int)err;
+        }
+        if (a->max_q_len > 0) {
+            auto kernel = attention_bwd_dq_kernel<BF16, D>;
+            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DQ_SMEM_BYTES);
+            if (err != cudaSuccess) return (int)err;
+            kernel<<<dim3((unsigned)a->heads_q, (unsigned)((a->max_q_len + Tiles::ROWS - 1) / Tiles::ROWS),
+                          (unsigned)a->batch),
+                     Tiles::THREADS, Tiles::DQ_SMEM_BYTES, stream>>>(p);
+            err = cudaGetLastError();
+        }
+        return (int)err;
     }
 };
 
@@ -470,4 +833,8 @@ extern "C" int rlk_attention_fwd_sm90_forced(const rlk_attention_args *args, rlk
 
 extern "C" int rlk_attention_fwd_sm90(const rlk_attention_args *args, rlk_context *ctx) {
     return rlk_attention_fwd_sm90_forced(args, ctx, SCHEDULE_AUTO);
+}
+
+extern "C" int rlk_attention_bwd_sm90(const rlk_attention_args *args, rlk_context *ctx) {
+    return attention_bwd_entry<Backward>(args, ctx, "attention_bwd_sm90");
 }
