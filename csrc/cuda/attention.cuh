@@ -451,7 +451,9 @@ bool supported(const rlk_attention_args *a, bool backward) {
         return false;
     if (a->max_q_len < 0 || a->max_k_len < 0 || a->max_q_len > (1 << 22) || a->max_k_len > (1 << 30)) return false;
     if (!layout_ok(a->q) || !layout_ok(a->k) || !layout_ok(a->v) || !layout_ok(a->out)) return false;
-    if (backward && (!layout_ok(a->dout) || !layout_ok(a->dq) || !layout_ok(a->dk) || !layout_ok(a->dv) || !a->lse.data))
+    /* (a call without query rows has an empty lse: no storage) */
+    if (backward && (!layout_ok(a->dout) || !layout_ok(a->dq) || !layout_ok(a->dk) || !layout_ok(a->dv) ||
+                     (!a->lse.data && a->max_q_len > 0)))
         return false;
     return true;
 }

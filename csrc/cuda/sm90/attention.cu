@@ -179,6 +179,16 @@ __device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&p
     for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], v.at(stage_bytes + t * 16 * 128), 1);
 }
 
+/* x (a 64 x 64 accumulator tile) rounded to the dtype as the A fragments of a product over its 64
+ * columns: k16 step t is the accumulator columns 16 t .. 16 t + 15, the register A fragment layout */
+template <bool BF16>
+__device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], uint32_t (&a)[BLOCK_N / 16][4]) {
+#pragma unroll
+    for (int t = 0; t < BLOCK_N / 16; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[t][i] = pack_half2<BF16>(x[8 * t + 2 * i], x[8 * t + 2 * i + 1]);
+}
+
 /* The contract's block update between S and P V, for one warpgroup's 64 rows, in two parts so that
  * the first runs while the previous block's P V is still on the tensor cores:
  * block_scores: masks s, updates the state (m, l) and turns s into p (alpha: the rows' rescale);
@@ -198,11 +208,7 @@ template <bool BF16, int D>
 __device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], const float (&alpha)[2],
                                                float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4]) {
     rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
-    /* P's k16 step t is the accumulator columns 16 t .. 16 t + 15: the register A fragment layout */
-#pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pa[t][i] = pack_half2<BF16>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
+    to_a_fragments<BF16>(s, pa);
 }
 
 /* Consumer warpgroups of 64 rows (prefill 2, one CTA per SM: the two accumulator sets take ~200
@@ -512,17 +518,32 @@ struct BwdTiles {
     static constexpr int DKDV_SMEM_BYTES = TILE_ALIGN + RESIDENT_BYTES + STAGES * DKDV_STAGE_BYTES;
     static constexpr int DQ_SMEM_BYTES = TILE_ALIGN + RESIDENT_BYTES + STAGES * DQ_STAGE_BYTES;
     static constexpr int ENTRY_REGS = (65536 / THREADS) & ~7;
-    static constexpr int PRODUCER_REGS = 40;
+    /* a dK/dV consumer at head_dim 128 holds dK, dV (128 registers), S^T, dP^T (64) and the P^T, dS^T
+     * fragments (32): it peaks at ~230 registers, and ptxas serializes the wgmmas when short of them */
+    static constexpr int PRODUCER_REGS = 24;
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
 };
 
-/* P and dS of one block in place (s: S or S^T, dp: dP or dP^T, accumulator layout), then their A
- * fragments: p_j = exp2(fma(s_j, c, -lse2)) where visible(h, j, e), else 0; ds_j = p_j (dp_j - D).
- * stat(h, j, e): the {lse2, D} of the query of element (h, j, e). */
-template <bool BF16, class Visible, class Stat>
-__device__ __forceinline__ void block_gradients(float (&s)[BLOCK_N / 2], float (&dp)[BLOCK_N / 2], float c,
-                                                Visible visible, Stat stat, uint32_t (&pa)[BLOCK_N / 16][4],
-                                                uint32_t (&dsa)[BLOCK_N / 16][4]) {
+/* The backward's elementwise part of one block, in two steps so that each runs while a product is on
+ * the tensor cores (accumulator layout; element (h, j, e) at x[4 j + 2 h + e]):
+ * block_probabilities: s -> P in place, p = exp2(fma(s, c, -lse2)) where visible(h, j, e), else 0;
+ * block_score_grads: dp -> dS in place, ds = p (dp - D). stat(h, j, e): the {lse2, D} of the element's
+ * query. */
+template <class Visible, class Stat>
+__device__ __forceinline__ void block_probabilities(float (&s)[BLOCK_N / 2], float c, Visible visible, Stat stat) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float &x = s[4 * j + 2 * h + e];
+                x = visible(h, j, e) ? exp2_approx(__fmaf_rn(x, c, -stat(h, j, e).x)) : 0.0f;
+            }
+}
+
+template <class Stat>
+__device__ __forceinline__ void block_score_grads(const float (&p)[BLOCK_N / 2], float (&dp)[BLOCK_N / 2], Stat stat) {
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
@@ -530,18 +551,8 @@ __device__ __forceinline__ void block_gradients(float (&s)[BLOCK_N / 2], float (
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int x = 4 * j + 2 * h + e;
-                const float2 st = stat(h, j, e);
-                const float p = visible(h, j, e) ? exp2_approx(__fmaf_rn(s[x], c, -st.x)) : 0.0f;
-                s[x] = p;
-                dp[x] = __fmul_rn(p, __fsub_rn(dp[x], st.y));
+                dp[x] = __fmul_rn(p[x], __fsub_rn(dp[x], stat(h, j, e).y));
             }
-#pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            pa[t][i] = pack_half2<BF16>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
-            dsa[t][i] = pack_half2<BF16>(dp[8 * t + 2 * i], dp[8 * t + 2 * i + 1]);
-        }
 }
 
 template <bool BF16, int D>
@@ -624,41 +635,58 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
 
+        /* Per block, four commit groups: S^T, dP^T, then dV once P^T is formed (under dP^T), then dK once
+         * dS^T is formed (under dV). The block's products end before the next block's start: keeping dK
+         * in flight past it needs more than the 240 registers (ptxas then serializes every wgmma). */
+        float st[BLOCK_N / 2], dpt[BLOCK_N / 2];
+        uint32_t pa[BLOCK_N / 16][4], dsa[BLOCK_N / 16][4];
         for (int it = 0; it < iters; ++it) {
             int head, q0, rows_in;
             query_block(it, head, q0, rows_in);
             ring.wait_full(it);
             /* the block's last query sees the most keys: skip it when none sees this warpgroup's keys */
-            if (wg_key0 < visible_keys(q0 + rows_in - 1, q_len, k_len, p.causal)) {
-                const uint32_t stage_bytes = (uint32_t)((it % STAGES) * STAGE_BYTES);
-                float st[BLOCK_N / 2], dpt[BLOCK_N / 2];
-                uint32_t pa[BLOCK_N / 16][4], dsa[BLOCK_N / 16][4];
-                wgmma_fence();
-                issue_scores<BF16, D, ROWS * 128>(st, k_desc, q_desc, stage_bytes);
-                issue_scores<BF16, D, ROWS * 128>(dpt, v_desc, do_desc, stage_bytes);
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_accumulators(st);
-                fence_accumulators(dpt);
-                const float2 *stats = (const float2 *)(smem_raw + (ring_tiles - bar) + stage_bytes + 2 * TILE_BYTES);
-                /* element (h, j, e): key thread_key + 8 h, query q0 + 8 j + 2 (lane % 4) + e */
-                const bool masked = rows_in < BLOCK_N || wg_key0 + 64 > visible_keys(q0, q_len, k_len, p.causal);
-                auto query = [&](int j, int e) { return 8 * j + 2 * (lane & 3) + e; };
-                block_gradients<BF16>(
-                    st, dpt, c,
-                    [&](int h, int j, int e) {
-                        const int i = query(j, e);
-                        return !masked ||
-                               (i < rows_in && thread_key + 8 * h < visible_keys(q0 + i, q_len, k_len, p.causal));
-                    },
-                    [&](int, int j, int e) { return stats[query(j, e)]; }, pa, dsa);
-                wgmma_fence();
-                issue_pv<BF16, D>(dv, pa, do_mn_desc, stage_bytes);
-                issue_pv<BF16, D>(dk, dsa, q_mn_desc, stage_bytes);
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_accumulators(dv);
-                fence_accumulators(dk);
+            if (wg_key0 >= visible_keys(q0 + rows_in - 1, q_len, k_len, p.causal)) {
+                ring.release(it, lane);
+                continue;
+            }
+            const uint32_t stage_bytes = (uint32_t)((it % STAGES) * STAGE_BYTES);
+            wgmma_fence();
+            issue_scores<BF16, D, ROWS * 128>(st, k_desc, q_desc, stage_bytes);
+            wgmma_commit();
+            issue_scores<BF16, D, ROWS * 128>(dpt, v_desc, do_desc, stage_bytes);
+            wgmma_commit();
+            wgmma_wait<1>(); /* S^T */
+            fence_accumulators(st);
+            const float2 *stats = (const float2 *)(smem_raw + (ring_tiles - bar) + stage_bytes + 2 * TILE_BYTES);
+            /* element (h, j, e): key thread_key + 8 h, query q0 + 8 j + 2 (lane % 4) + e */
+            auto query = [&](int j, int e) { return 8 * j + 2 * (lane & 3) + e; };
+            auto stat = [&](int, int j, int e) { return stats[query(j, e)]; };
+            const bool masked = rows_in < BLOCK_N || wg_key0 + 64 > visible_keys(q0, q_len, k_len, p.causal);
+            block_probabilities(
+                st, c,
+                [&](int h, int j, int e) {
+                    const int i = query(j, e);
+                    return !masked || (i < rows_in && thread_key + 8 * h < visible_keys(q0 + i, q_len, k_len, p.causal));
+                },
+                stat);
+            to_a_fragments<BF16>(st, pa);
+            wgmma_fence();
+            issue_pv<BF16, D>(dv, pa, do_mn_desc, stage_bytes);
+            wgmma_commit();
+            wgmma_wait<1>(); /* dP^T */
+            fence_accumulators(dpt);
+            block_score_grads(st, dpt, stat);
+            to_a_fragments<BF16>(dpt, dsa);
+            wgmma_fence();
+            issue_pv<BF16, D>(dk, dsa, q_mn_desc, stage_bytes);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_accumulators(dk);
+            fence_accumulators(dv);
+#pragma unroll
+            for (int t = 0; t < BLOCK_N / 16; ++t) {
+                fence_operands(pa[t]);
+                fence_operands(dsa[t]);
             }
             ring.release(it, lane);
         }
@@ -752,34 +780,57 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) dq[i] = 0.0f;
 
+        /* Per block, three commit groups: S, dP, then dQ once dS is formed; P is formed under dP, and dQ
+         * of a block runs on under the next block's wait and S, so its stage is released one block later
+         * (pending). */
+        float sp[BLOCK_N / 2], dp[BLOCK_N / 2];
+        uint32_t dsa[BLOCK_N / 16][4];
+        auto fence_products = [&]() {
+            fence_accumulators(dq);
+#pragma unroll
+            for (int t = 0; t < BLOCK_N / 16; ++t) fence_operands(dsa[t]);
+        };
+        auto stat = [&](int h, int, int) { return row_stat[h]; };
+        int pending = -1;
         for (int t = 0; t < blocks; ++t) {
             ring.wait_full(t);
-            if (t < nb) {
-                const uint32_t stage_bytes = (uint32_t)((t % STAGES) * STAGE_BYTES);
-                float s[BLOCK_N / 2], dp[BLOCK_N / 2];
-                uint32_t pa[BLOCK_N / 16][4], dsa[BLOCK_N / 16][4];
-                wgmma_fence();
-                issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes);
-                issue_scores<BF16, D, ROWS * 128>(dp, do_desc, v_desc, stage_bytes);
-                wgmma_commit();
+            if (t >= nb) { /* its rows see no key of block t */
                 wgmma_wait<0>();
-                fence_accumulators(s);
-                fence_accumulators(dp);
-                /* element (h, j, e): row thread_row + 8 h, key 64 t + 8 j + 2 (lane % 4) + e */
-                const int key0 = t * BLOCK_N;
-                const bool masked = key0 + BLOCK_N > wg_min_len;
-                block_gradients<BF16>(
-                    s, dp, c,
-                    [&](int h, int j, int e) { return !masked || key0 + 8 * j + 2 * (lane & 3) + e < row_len[h]; },
-                    [&](int h, int, int) { return row_stat[h]; }, pa, dsa);
-                wgmma_fence();
-                issue_pv<BF16, D>(dq, dsa, k_mn_desc, stage_bytes);
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_accumulators(dq);
+                fence_products();
+                if (pending >= 0) ring.release(pending, lane);
+                ring.release(t, lane);
+                pending = -1;
+                continue;
             }
-            ring.release(t, lane);
+            const uint32_t stage_bytes = (uint32_t)((t % STAGES) * STAGE_BYTES);
+            wgmma_fence();
+            issue_scores<BF16, D, ROWS * 128>(sp, q_desc, k_desc, stage_bytes);
+            wgmma_commit();
+            issue_scores<BF16, D, ROWS * 128>(dp, do_desc, v_desc, stage_bytes);
+            wgmma_commit();
+            wgmma_wait<2>(); /* the previous block's dQ */
+            fence_products();
+            if (pending >= 0) ring.release(pending, lane);
+            wgmma_wait<1>(); /* S */
+            fence_accumulators(sp);
+            /* element (h, j, e): row thread_row + 8 h, key 64 t + 8 j + 2 (lane % 4) + e */
+            const int key0 = t * BLOCK_N;
+            const bool masked = key0 + BLOCK_N > wg_min_len;
+            block_probabilities(
+                sp, c, [&](int h, int j, int e) { return !masked || key0 + 8 * j + 2 * (lane & 3) + e < row_len[h]; },
+                stat);
+            wgmma_wait<0>(); /* dP */
+            fence_accumulators(dp);
+            block_score_grads(sp, dp, stat);
+            to_a_fragments<BF16>(dp, dsa);
+            wgmma_fence();
+            issue_pv<BF16, D>(dq, dsa, k_mn_desc, stage_bytes);
+            wgmma_commit();
+            pending = t;
         }
+        wgmma_wait<0>();
+        fence_products();
+        if (pending >= 0) ring.release(pending, lane);
         store_acc_rows<BF16, D>(p.dq, b, q_row0, head, rows_in, thread_row, lane, p.scale,
                                 [&](int h, int j, int e) { return dq[4 * j + 2 * h + e]; });
     }
