@@ -150,7 +150,9 @@ struct Ring {
         }
     }
     __device__ __forceinline__ void wait_full(int j) const { mbar_wait(full_bar + 8 * (j % STAGES), (j / STAGES) & 1); }
+    /* the whole warp calls it: its lanes' reads of the stage are done before lane 0 arrives */
     __device__ __forceinline__ void release(int j, int lane) const {
+        __syncwarp();
         if (lane == 0) mbar_arrive(empty_bar + 8 * (j % STAGES));
     }
 };
