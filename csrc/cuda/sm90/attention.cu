@@ -150,9 +150,7 @@ struct Ring {
         }
     }
     __device__ __forceinline__ void wait_full(int j) const { mbar_wait(full_bar + 8 * (j % STAGES), (j / STAGES) & 1); }
-    /* the whole warp calls it: its lanes' reads of the stage are done before lane 0 arrives */
     __device__ __forceinline__ void release(int j, int lane) const {
-        __syncwarp();
         if (lane == 0) mbar_arrive(empty_bar + 8 * (j % STAGES));
     }
 };
@@ -494,9 +492,12 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
  * one or two m64n{d} products over the block's 64 rows with P or dS rounded to the dtype as the
  * register A operand (issue_pv).
  *   attention_bwd_dkdv_kernel: a CTA owns 128 keys of one (sequence, kv head), 64 per warpgroup, K and V
- *     resident; the producer streams (Q, dO, row stats) of the 64-query blocks that can see them, for
- *     each query head of the group in increasing order and each block in increasing order. Per block:
- *     S^T = K Q^T, dP^T = V dO^T; dV += P^T dO, dK += dS^T Q.
+ *     resident; the producer streams (Q, dO) of the 64-query blocks that can see them, for each query
+ *     head of the group in increasing order and each block in increasing order. Per block: S^T = K Q^T,
+ *     dP^T = V dO^T; dV += P^T dO, dK += dS^T Q. Each warpgroup copies the block's row stats (lse2, D)
+ *     from global memory into its own two alternating shared buffers behind a named barrier (not
+ *     through the ring: compute-sanitizer racecheck does not follow the mbarriers' ordering for plain
+ *     loads, and reported ring-carried stats as races).
  *   attention_bwd_dq_kernel: a CTA owns 128 query rows of one (sequence, head), 64 per warpgroup, Q and
  *     dO resident; the producer streams the K and V blocks its rows see (as the forward's). Per block:
  *     S = Q K^T, dP = dO V^T; dQ += dS K.
@@ -511,13 +512,13 @@ struct BwdTiles {
     static constexpr int ROWS = 64 * WARPGROUPS; /* keys (dK/dV) or query rows (dQ) a CTA owns */
     static constexpr int TILE_BYTES = BLOCK_N * D * 2; /* a 64-row tile */
     static constexpr int RESIDENT_BYTES = 2 * WARPGROUPS * TILE_BYTES; /* K, V or Q, dO of the CTA's rows */
-    /* dK/dV stage: Q, dO, 64 float2 row stats (in a 1 KB slot, so the next stage's tiles stay 1024-aligned);
-     * dQ stage: K, V */
-    static constexpr int DKDV_STAGE_BYTES = 2 * TILE_BYTES + TILE_ALIGN;
+    /* dK/dV stage: Q, dO; dQ stage: K, V */
+    static constexpr int DKDV_STAGE_BYTES = 2 * TILE_BYTES;
     static constexpr int DQ_STAGE_BYTES = 2 * TILE_BYTES;
     static constexpr int STAGES = 3;
     static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
-    static constexpr int DKDV_SMEM_BYTES = TILE_ALIGN + RESIDENT_BYTES + STAGES * DKDV_STAGE_BYTES;
+    static constexpr int STATS_BYTES = WARPGROUPS * 2 * BLOCK_N * 8; /* dK/dV: {lse2, D}, 2 buffers per warpgroup */
+    static constexpr int DKDV_SMEM_BYTES = TILE_ALIGN + RESIDENT_BYTES + STAGES * DKDV_STAGE_BYTES + STATS_BYTES;
     static constexpr int DQ_SMEM_BYTES = TILE_ALIGN + RESIDENT_BYTES + STAGES * DQ_STAGE_BYTES;
     static constexpr int ENTRY_REGS = (65536 / THREADS) & ~7;
     /* a dK/dV consumer at head_dim 128 holds dK, dV (128 registers), S^T, dP^T (64) and the P^T, dS^T
@@ -566,7 +567,8 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
     const uint32_t bar = smem_u32(smem_raw);
     const uint32_t k_tile = (bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
     const uint32_t v_tile = k_tile + ROWS * D * 2, ring_tiles = v_tile + ROWS * D * 2;
-    if (ring_tiles + STAGES * STAGE_BYTES > bar + Tiles::DKDV_SMEM_BYTES) __trap();
+    const uint32_t stats_area = ring_tiles + STAGES * STAGE_BYTES;
+    if (stats_area + Tiles::STATS_BYTES > bar + Tiles::DKDV_SMEM_BYTES) __trap();
 
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
@@ -605,13 +607,13 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
         rows_in = min(BLOCK_N, q_len - q0);
     };
     if (wg == Tiles::WARPGROUPS) {
-        /* producer: Q, dO and the stats of each query block; rows past the sequence zero-filled */
+        /* producer: Q and dO of each query block; rows past the sequence zero-filled */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
         const int ptid = tid - 128 * Tiles::WARPGROUPS;
         const int thread_row = ptid / (D / 8), thread_col = 8 * (ptid % (D / 8));
-        ring.produce(iters, [&](int it, int s) {
-            int head, q0, rows_in;
-            query_block(it, head, q0, rows_in);
+        int head = kv_head * p.group, q0 = qb_begin * BLOCK_N; /* query_block(it), counted along */
+        ring.produce(iters, [&](int, int s) {
+            const int rows_in = min(BLOCK_N, q_len - q0);
             const uint32_t dst = ring_tiles + s * STAGE_BYTES;
             const int64_t row = q_row0 + q0 + thread_row;
             load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(
@@ -619,10 +621,10 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
             load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(
                 dst + TILE_BYTES, row_address(p.dout, b, row, head) + thread_col, p.dout.row_stride, rows_in, p.dout.data,
                 ptid);
-            if (ptid < BLOCK_N / 2) { /* stats of rows 2 ptid, 2 ptid + 1: one 16-byte chunk */
-                const int bytes = min(max(rows_in - 2 * ptid, 0), 2) * 8;
-                const float2 *src = p.stats + ((int64_t)b * p.heads_q + head) * p.stats_pitch + q0 + 2 * ptid;
-                cp_async_16(dst + 2 * TILE_BYTES + 16 * ptid, bytes ? (const void *)src : (const void *)p.stats, bytes);
+            q0 += BLOCK_N;
+            if (q0 >= q_len) {
+                q0 = qb_begin * BLOCK_N;
+                ++head;
             }
         });
     } else {
@@ -642,15 +644,27 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
          * in flight past it needs more than the 240 registers (ptxas then serializes every wgmma). */
         float st[BLOCK_N / 2], dpt[BLOCK_N / 2];
         uint32_t pa[BLOCK_N / 16][4], dsa[BLOCK_N / 16][4];
+        /* the row stats of the blocks it works on, buffer (worked & 1); thread wg_tid < 64 copies row wg_tid */
+        float2 *const wg_stats = (float2 *)(smem_raw + (stats_area - bar)) + wg * 2 * BLOCK_N;
+        const int wg_tid = tid & 127;
+        int worked = 0;
         for (int it = 0; it < iters; ++it) {
             int head, q0, rows_in;
             query_block(it, head, q0, rows_in);
-            ring.wait_full(it);
             /* the block's last query sees the most keys: skip it when none sees this warpgroup's keys */
             if (wg_key0 >= visible_keys(q0 + rows_in - 1, q_len, k_len, p.causal)) {
+                ring.wait_full(it);
                 ring.release(it, lane);
                 continue;
             }
+            const float2 row_stat = wg_tid < rows_in
+                                        ? p.stats[((int64_t)b * p.heads_q + head) * p.stats_pitch + q0 + wg_tid]
+                                        : make_float2(0.0f, 0.0f);
+            /* (the buffer's previous readers, two blocks back, passed the barrier of the block between) */
+            float2 *const stats = wg_stats + (worked++ & 1) * BLOCK_N;
+            if (wg_tid < BLOCK_N) stats[wg_tid] = row_stat;
+            warpgroup_sync(1 + wg);
+            ring.wait_full(it);
             const uint32_t stage_bytes = (uint32_t)((it % STAGES) * STAGE_BYTES);
             wgmma_fence();
             issue_scores<BF16, D, ROWS * 128>(st, k_desc, q_desc, stage_bytes);
@@ -659,7 +673,6 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
             wgmma_commit();
             wgmma_wait<1>(); /* S^T */
             fence_accumulators(st);
-            const float2 *stats = (const float2 *)(smem_raw + (ring_tiles - bar) + stage_bytes + 2 * TILE_BYTES);
             /* element (h, j, e): key thread_key + 8 h, query q0 + 8 j + 2 (lane % 4) + e */
             auto query = [&](int j, int e) { return 8 * j + 2 * (lane & 3) + e; };
             auto stat = [&](int, int j, int e) { return stats[query(j, e)]; };
