@@ -499,15 +499,6 @@ def test_max_seqlen_below_the_rows_without_ranges_is_still_refused():
         rl_kernels.attention(q, k, v, max_seqlen_k=9)
 
 
-@pytest.fixture
-def nan_allocations(monkeypatch):
-    """torch.empty / empty_like hand out NaN-filled memory while the test runs (what an
-    uninitialized allocation may hold): a row the kernels leave unwritten shows up as NaN."""
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(math.nan))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_uninitialized_out_and_lse_every_row_written(nan_allocations, dtype):
     """The no-range calls hand the kernels uninitialized out / lse: every row comes back written,
