@@ -77,6 +77,20 @@ def attention_reference(q, k, v, causal=True, scale=None):
     return torch.einsum("bhij,bjhd->bihd", p, v), lse
 
 
+@pytest.fixture
+def nan_allocations(monkeypatch):
+    """torch.empty / empty_like hand out NaN-filled memory while the test runs (what an
+    uninitialized allocation may hold, on any device): a row a kernel leaves unwritten shows up as
+    NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def garbage(t):
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: garbage(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: garbage(empty_like(*a, **kw)))
+
+
 def leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 

@@ -435,6 +435,190 @@ def test_kvcache_append_with_batch_and_chunk_bitwise():
 
 
 # --------------------------------------------------------------------------------------------
+# Absent ranges (None) and rows written by the kernels (out / lse not pre-filled)
+# --------------------------------------------------------------------------------------------
+
+def _op_grads(ranges, q, k, v, max_q, max_k, causal, cot):
+    """out, lse, dq, dk, dv of the registered op (through autograd) with the given four ranges."""
+    q, k, v = leaves(q, k, v)
+    out, lse = torch.ops.rl_kernels.attention(q, k, v, *ranges, max_q, max_k, causal, 0.3, "auto")
+    out.backward(cot)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("short", [False, True])  # max_q_len / max_k_len below the rows
+def test_none_ranges_bitwise_equal_explicit_ranges(causal, packed, short):
+    """Each of the 16 subsets of (q_start, q_len, k_start, k_len) given as None equals the call with
+    those ranges spelled out (starts 0, lengths max_q_len / max_k_len): out, lse, dq, dk, dv bitwise.
+    Packed [T, H, d] tensors with no range at all are one sequence."""
+    b = 1 if packed else 3
+    q, k, v = qkv(b, 70, 75, 4, 2, 16, seed=190)
+    cot = randn(*q.shape, seed=191)
+    if packed:
+        q, k, v, cot = q[0], k[0], v[0], cot[0]
+    max_q, max_k = (67, 70) if short else (70, 75)
+    spelled = (i32([0] * b), i32([max_q] * b), i32([0] * b), i32([max_k] * b))
+    want = _op_grads(spelled, q, k, v, max_q, max_k, causal, cot)
+    if short:  # rows past max_q_len are outside every sequence: 0 / -inf, and the op keeps them so
+        assert torch.equal(want[0][..., max_q:, :, :], torch.zeros_like(want[0][..., max_q:, :, :]))
+        assert torch.isinf(want[1][..., max_q:]).all()
+    for subset in range(16):
+        ranges = tuple(None if subset >> i & 1 else r for i, r in enumerate(spelled))
+        got = _op_grads(ranges, q, k, v, max_q, max_k, causal, cot)
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            assert torch.equal(x, y), f"{name} with ranges {[r is None for r in ranges]}"
+
+
+def test_public_calls_without_ranges_equal_spelled_out_ranges():
+    """attention() without ranges (no range tensors: None down to the kernels) and with q_len alone
+    (q_start None) equal the call with every range given, forward, lse and gradients bitwise."""
+    q, k, v = qkv(2, 40, 50, 4, 2, 16, seed=192)
+    cot = randn(*q.shape, seed=193)
+    zeros, tq, tk = i32([0, 0]), i32([40, 40]), i32([50, 50])
+
+    def fn(**ranges):
+        return lambda q, k, v: rl_kernels.attention(q, k, v, **ranges)
+
+    want = grads_of(fn(q_start=zeros, q_len=tq, k_start=zeros, k_len=tk), q, k, v, cot)
+    for ranges in ({}, {"q_len": tq}, {"k_len": tk}, {"q_len": tq, "k_start": zeros, "k_len": tk}):
+        got = grads_of(fn(**ranges), q, k, v, cot)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), f"ranges {sorted(ranges)}"
+    lse = rl_kernels.attention(q, k, v, return_lse=True)[1]
+    assert torch.equal(lse, rl_kernels.attention(q, k, v, q_len=tq, k_len=tk, return_lse=True)[1])
+
+
+def test_max_seqlen_below_the_rows_without_ranges_is_still_refused():
+    """No ranges means all T rows; a max_seqlen_q below T keeps that meaning (a q_len tensor of T,
+    which the launcher refuses) rather than silently computing max_seqlen_q rows."""
+    q, k, v = qkv(1, 10, 10, 2, 1, 8, seed=194)
+    with pytest.raises(ValueError, match="q_start, q_len, k_start, k_len"):
+        rl_kernels.attention(q, k, v, max_seqlen_q=9)
+    with pytest.raises(ValueError, match="q_start, q_len, k_start, k_len"):
+        rl_kernels.attention(q, k, v, max_seqlen_k=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_uninitialized_out_and_lse_every_row_written(nan_allocations, dtype):
+    """The no-range calls hand the kernels uninitialized out / lse: every row comes back written,
+    rows that see no key (causal, more queries than keys) as exactly 0 / -inf, and bitwise equal
+    to the zero-filled call with ranges spelled out."""
+    q, k, v = qkv(2, 9, 5, 4, 2, 16, dtype, seed=195)  # rows 0 .. 3 see no key
+    k_cache = torch.cat([k, torch.full_like(k, math.nan)], 1)  # stale NaN past the cache length
+    v_cache = torch.cat([v, torch.full_like(v, math.nan)], 1)
+    zeros, tq, tk = i32([0, 0]), i32([9, 9]), i32([5, 5])
+    want, want_lse = rl_kernels.attention(q, k, v, q_start=zeros, q_len=tq, k_start=zeros, k_len=tk,
+                                          return_lse=True)
+    calls = {
+        "attention": lambda: rl_kernels.attention(q, k, v, return_lse=True),
+        "kvcache tensor": lambda: rl_kernels.attention_with_kvcache(q, k_cache, v_cache, tk,
+                                                                    return_lse=True),
+        "kvcache int": lambda: rl_kernels.attention_with_kvcache(q, k_cache, v_cache, 5,
+                                                                 return_lse=True),
+        "kvcache int, new keys": lambda: rl_kernels.attention_with_kvcache(
+            q, k_cache.clone(), v_cache.clone(), 2, k_new=k[:, 2:], v_new=v[:, 2:], return_lse=True),
+        "kvcache tensor, new keys": lambda: rl_kernels.attention_with_kvcache(
+            q, k_cache.clone(), v_cache.clone(), i32([2, 2]), k_new=k[:, 2:], v_new=v[:, 2:],
+            return_lse=True),
+    }
+    for name, call in calls.items():
+        out, lse = call()
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), name
+        assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4])), f"{name}: rows without keys"
+        assert torch.equal(lse[..., :4], torch.full_like(lse[..., :4], -math.inf)), name
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), name
+    # a cache with nothing in it: every row sees no key
+    out, lse = rl_kernels.attention_with_kvcache(q, k_cache, v_cache, 0, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all() and (lse < 0).all()
+
+
+def test_decode_calls_build_no_range_or_filled_tensors(monkeypatch):
+    """A decode step (tensor or int cache_seqlens, with or without new keys) and a call without
+    ranges build no zeros / full tensors: no ranges, no pre-filled out or lse."""
+    q, k, v = qkv(2, 1, 8, 4, 2, 16, seed=196)
+    k_cache, v_cache = torch.cat([k, k], 1), torch.cat([v, v], 1)
+    calls = [lambda: rl_kernels.attention_with_kvcache(q, k_cache, v_cache, i32([8, 5])),
+             lambda: rl_kernels.attention_with_kvcache(q, k_cache, v_cache, 8),
+             lambda: rl_kernels.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), 7,
+                                                       k_new=k[:, :1], v_new=v[:, :1]),
+             lambda: rl_kernels.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(),
+                                                       i32([7, 3]), k_new=k[:, :1], v_new=v[:, :1]),
+             lambda: rl_kernels.attention(q, k, v)]
+    want = [call() for call in calls]
+
+    def refuse(name):
+        def factory(*args, **kwargs):
+            raise AssertionError(f"torch.{name} in a call without ranges")
+        return factory
+
+    for name in ("zeros", "zeros_like", "full", "full_like"):
+        monkeypatch.setattr(torch, name, refuse(name))
+    for call, expected in zip(calls, want):
+        assert torch.equal(call(), expected)
+
+
+def test_int_cache_seqlens_equals_tensor_cache_seqlens():
+    """An int cache_seqlens (no k_len tensor: every sequence has max_k_len keys; new keys land by
+    slice copy) gives the bits of the same lengths as a tensor, and the same cache."""
+    q, k, v = qkv(3, 4, 40, 4, 2, 16, torch.bfloat16, seed=197)
+    for n, t_new in ((36, 0), (30, 4), (0, 4), (36, 4)):
+        caches = [(torch.cat([k, k], 1), torch.cat([v, v], 1)) for _ in range(2)]
+        new = dict(k_new=k[:, n:n + t_new], v_new=v[:, n:n + t_new]) if t_new else {}
+        got = rl_kernels.attention_with_kvcache(q, *caches[0], n, return_lse=True, **new)
+        want = rl_kernels.attention_with_kvcache(q, *caches[1], i32([n] * 3), return_lse=True, **new)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{n} + {t_new}"
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("seqlens,new,match", [
+    (9, 0, r"q_start, q_len, k_start, k_len"),  # past the cache of 8
+    (-1, 0, r"cache_seqlens must be >= 0"),
+    (-1, 2, r"cache_seqlens must be >= 0"),
+    (7, 2, r"cache_seqlens: appending 2 keys overflows the cache of 8"),
+    ([3, 9], 0, r"q_start, q_len, k_start, k_len"),
+    ([3, -2], 0, r"cache_seqlens must be >= 0"),
+    ([6, 3], 3, r"cache_seqlens: appending 3 keys overflows the cache of 8"),
+])
+def test_bad_cache_seqlens_still_raise_and_leave_the_cache(seqlens, new, match):
+    """Out-of-range cache_seqlens, int or tensor, raise as before (the int no longer goes through a
+    tensor when in range, but out of range it still does), and the cache is not written."""
+    q = randn(2, 1, 4, 16, seed=198)
+    k_cache, v_cache = randn(2, 8, 2, 16, seed=199), randn(2, 8, 2, 16, seed=200)
+    before = k_cache.clone(), v_cache.clone()
+    kv_new = dict(k_new=randn(2, new, 2, 16, seed=201), v_new=randn(2, new, 2, 16, seed=202)) \
+        if new else {}
+    lengths = i32(seqlens) if isinstance(seqlens, list) else seqlens
+    with pytest.raises(ValueError, match=match):
+        rl_kernels.attention_with_kvcache(q, k_cache, v_cache, lengths, **kv_new)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_opcheck_and_compile_with_none_ranges():
+    q, k, v = leaves(*qkv(2, 30, 35, 4, 2, 8, seed=203))
+    for ranges in ((None, None, None, None), (None, i32([30, 20]), None, i32([35, 25]))):
+        args = (q, k, v, *ranges, 30, 35, True, 0.3, "auto")
+        torch.library.opcheck(torch.ops.rl_kernels.attention.default, args)
+        with torch.no_grad():
+            out, lse = torch.ops.rl_kernels.attention(*args)
+        torch.library.opcheck(torch.ops.rl_kernels.attention_backward.default,
+                              (q.detach(), k.detach(), v.detach(), out, lse,
+                               randn(*out.shape, seed=204), *ranges, 30, 35, True, 0.3, "auto"))
+
+    def loss(q, k, v):
+        out, lse = rl_kernels.attention(q, k, v, return_lse=True)
+        return (out * out).sum() + lse.clamp_min(-5).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True, backend="aot_eager")
+    for t in (20, 33):
+        q, k, v = leaves(*qkv(2, t, t + 3, 4, 2, 16, seed=t))
+        got, want = compiled(q, k, v), loss(q, k, v)
+        assert torch.equal(got, want)
+        assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(got, (q, k, v)),
+                                                     torch.autograd.grad(want, (q, k, v))))
+
+
+# --------------------------------------------------------------------------------------------
 # torch.library, torch.compile, registry
 # --------------------------------------------------------------------------------------------
 

@@ -1,13 +1,19 @@
 """attention on the CUDA backends (sm90, sm80): accuracy of out / lse / dq / dk / dv vs fp64 and
 vs torch SDPA's error, bitwise prefill == chunked prefill == token-by-token decode (split-KV),
 packing, padding, batch 1 vs 16 decode, CUDA-graph decode, the Qwen3-8B shape, stale NaN in the
-cache, deterministic backward, bad ranges flagged without a sync. Skipped without CUDA (and per
-backend when it has no attention kernels or cannot run on the device)."""
+cache, deterministic backward, bad ranges flagged without a sync, absent ranges (None) equal to
+spelled-out ones, uninitialized out / lse fully written (bad key ranges included), and a decode call
+launching our kernels alone. Skipped without CUDA (and per backend when it has no attention kernels
+or cannot run on the device)."""
 
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 import rl_kernels
 from rl_kernels import kernel_registry
@@ -477,3 +483,176 @@ def test_compile_packed_on_gpu(backend):
     assert torch.equal(got, want)
     assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(got, (q, k, v)),
                                                  torch.autograd.grad(want, (q, k, v))))
+
+
+# --------------------------------------------------------------------------------------------
+# Absent ranges (None) and rows written by the kernels (out / lse not pre-filled)
+# --------------------------------------------------------------------------------------------
+
+# (b, tq, tk): the prefill schedule (tq * G > 64), the split schedule (decode, and a chunk of 16
+# queries: 16 * G = 64 rows)
+SCHEDULE_SHAPES = [(2, 130, 700), (3, 1, 1100), (2, 16, 600)]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("b,tq,tk", SCHEDULE_SHAPES)
+def test_none_ranges_bitwise_equal_explicit_ranges(backend, b, tq, tk):
+    """The op with q_start / q_len / k_start / k_len absent (None: start 0, max_q_len / max_k_len
+    rows) equals the op with them spelled out: out, lse, dq, dk, dv bitwise, in both schedules."""
+    q, k, v = qkv(b, tq, tk, 32, 8, 128, seed=110 + tq)
+    cot = cuda_randn(*q.shape, seed=111 + tq)
+    spelled = (i32([0] * b), i32([tq] * b), i32([0] * b), i32([tk] * b))
+
+    def run(ranges):
+        ql, kl, vl = leaves(q, k, v)
+        out, lse = torch.ops.rl_kernels.attention(ql, kl, vl, *ranges, tq, tk, True, 0.125, backend)
+        out.backward(cot)
+        return out.detach(), lse, ql.grad, kl.grad, vl.grad
+
+    want = run(spelled)
+    for absent in ((0, 1, 2, 3), (0, 2), (1, 3), (3,)):
+        ranges = tuple(None if i in absent else r for i, r in enumerate(spelled))
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), run(ranges), want):
+            assert torch.equal(x, y), f"{name} with ranges {absent} absent"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("tq,cached", [(9, 5), (40, 20)])  # split schedule; prefill schedule
+def test_uninitialized_out_and_lse_every_row_written(backend, tq, cached, nan_allocations):
+    """Calls without q ranges get NaN-filled out / lse (nan_allocations): every row comes back
+    written, the rows that see no key (causal, more queries than keys) as exactly 0 / -inf, and
+    bitwise equal to the zero-filled call with the ranges spelled out."""
+    q, k, v = qkv(2, tq, cached, 32, 8, 128, seed=120 + tq)
+    rows_without_keys = tq - cached
+    k_cache = torch.full((2, 64, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v_cache = k_cache.clone()
+    k_cache[:, :cached], v_cache[:, :cached] = k, v
+    zeros, q_len, k_len = i32([0, 0]), i32([tq, tq]), i32([cached, cached])
+    want, want_lse = rl_kernels.attention(q, k, v, q_start=zeros, q_len=q_len, k_start=zeros,
+                                          k_len=k_len, return_lse=True, backend=backend)
+    calls = {
+        "attention": lambda: rl_kernels.attention(q, k, v, return_lse=True, backend=backend),
+        "kvcache tensor": lambda: rl_kernels.attention_with_kvcache(
+            q, k_cache, v_cache, k_len, return_lse=True, backend=backend),
+        "kvcache int": lambda: rl_kernels.attention_with_kvcache(
+            q, k_cache, v_cache, cached, return_lse=True, backend=backend),
+        "kvcache int, new keys": lambda: rl_kernels.attention_with_kvcache(
+            q, k_cache.clone(), v_cache.clone(), cached - 3, k_new=k[:, -3:], v_new=v[:, -3:],
+            return_lse=True, backend=backend),
+        "kvcache tensor, new keys": lambda: rl_kernels.attention_with_kvcache(
+            q, k_cache.clone(), v_cache.clone(), k_len - 3, k_new=k[:, -3:], v_new=v[:, -3:],
+            return_lse=True, backend=backend),
+    }
+    for name, call in calls.items():
+        out, lse = call()
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), name
+        assert torch.equal(out[:, :rows_without_keys], torch.zeros_like(out[:, :rows_without_keys])), name
+        assert torch.equal(lse[..., :rows_without_keys],
+                           torch.full_like(lse[..., :rows_without_keys], -math.inf)), name
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), name
+    out, lse = rl_kernels.attention_with_kvcache(q, k_cache, v_cache, 0, return_lse=True,
+                                                 backend=backend)
+    assert torch.equal(out, torch.zeros_like(out)), "an empty cache: every row 0"
+    assert torch.equal(lse, torch.full_like(lse, -math.inf)), "an empty cache: every lse -inf"
+
+
+def _flagged(call, backend):
+    """call()'s results, once the attention call after it has raised for the bad range it flagged
+    (which also clears the flag)."""
+    result = call()
+    torch.cuda.synchronize()
+    q, k, v = qkv(1, 2, 2, 4, 2, 64, seed=139)
+    with pytest.raises(ValueError, match="cu_seqlens / cache_seqlens"):
+        rl_kernels.attention(q, k, v, backend=backend)
+    return result
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("tq", [1, 40])  # split schedule; prefill schedule (40 * 4 rows > 64)
+def test_bad_key_range_with_uninitialized_out_writes_its_rows_and_flags(backend, tq,
+                                                                         nan_allocations):
+    """A sequence whose key range is out of bounds, in a call without q ranges (out / lse NaN-filled
+    by nan_allocations): cache_seqlens past the cache, a negative cache_seqlens under appended keys,
+    a k_len past k's rows. Its rows come back 0 / -inf, the other sequences' rows equal each alone,
+    and the next call raises."""
+    t_max = 64
+    q, k, v = qkv(3, tq, t_max, 32, 8, 128, seed=130 + tq)
+    cases = {  # name: (call, index of the bad sequence, the good ones alone)
+        "cache_seqlens past the cache": (
+            lambda: rl_kernels.attention_with_kvcache(q, k, v, i32([50, t_max + 30, 45]),
+                                                      return_lse=True, backend=backend), 1,
+            lambda b, kc, vc: rl_kernels.attention_with_kvcache(
+                q[b:b + 1], k[b:b + 1], v[b:b + 1], [50, 0, 45][b], return_lse=True, backend=backend)),
+        "negative cache_seqlens, new keys": (
+            lambda: rl_kernels.attention_with_kvcache(q, kc, vc, i32([-1, 40, 30]), k_new=k[:, :2],
+                                                      v_new=v[:, :2], return_lse=True, backend=backend), 0,
+            lambda b, kc, vc: rl_kernels.attention_with_kvcache(  # (the cache holds the new keys)
+                q[b:b + 1], kc[b:b + 1], vc[b:b + 1], [0, 42, 32][b], return_lse=True, backend=backend)),
+        "k_len past the rows": (
+            lambda: rl_kernels.attention(q, k, v, k_len=i32([t_max, t_max + 6, 10]), return_lse=True,
+                                         backend=backend), 1,
+            lambda b, kc, vc: rl_kernels.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                                                   k_len=i32([[t_max, 0, 10][b]]), return_lse=True,
+                                                   backend=backend)),
+    }
+    for name, (call, bad, alone) in cases.items():
+        kc, vc = k.clone(), v.clone()
+        out, lse = _flagged(call, backend)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), name
+        assert torch.equal(out[bad], torch.zeros_like(out[bad])), f"{name}: rows of the bad sequence"
+        assert torch.equal(lse[bad], torch.full_like(lse[bad], -math.inf)), f"{name}: its lse"
+        for b in range(3):
+            if b != bad:
+                want, want_lse = alone(b, kc, vc)
+                assert torch.equal(out[b:b + 1], want) and torch.equal(lse[b:b + 1], want_lse), \
+                    f"{name}: sequence {b}"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_int_cache_seqlens_equals_tensor_cache_seqlens(backend):
+    """An int cache_seqlens (no k_len tensor: every sequence has max_k_len keys; new keys land by
+    slice copy) gives the bits of the same lengths as a tensor, and the same cache."""
+    q, k, v = qkv(3, 4, 1000, 32, 8, 128, seed=140)
+    for n, t_new in ((1000, 0), (600, 4), (0, 4), (995, 4)):
+        caches = [(torch.cat([k, k], 1), torch.cat([v, v], 1)) for _ in range(2)]
+        new = dict(k_new=k[:, n:n + t_new], v_new=v[:, n:n + t_new]) if t_new else {}
+        got = rl_kernels.attention_with_kvcache(q, *caches[0], n, return_lse=True, backend=backend, **new)
+        want = rl_kernels.attention_with_kvcache(q, *caches[1], i32([n] * 3), return_lse=True,
+                                                 backend=backend, **new)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{n} + {t_new}"
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def _kernels_of(call):
+    """Names of the CUDA kernels one call launches (profiled after a warm-up call)."""
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_decode_call_launches_our_kernels_and_the_append_only(backend):
+    """A decode step runs the split and combine kernels and nothing else: no range tensors, no
+    zero-filled out, no -inf lse; with new keys and an int cache_seqlens, two copies beside them.
+    A prefill call without ranges runs the prefill kernel alone."""
+    q, k, v = qkv(2, 1, 1024, 32, 8, 128, seed=150)
+    k_cache, v_cache = torch.cat([k, k], 1), torch.cat([v, v], 1)
+    lengths = i32([1000, 700])
+    new = dict(k_new=k[:, :1], v_new=v[:, :1])
+    q_prefill = k[:, :300].repeat_interleave(4, 2)  # [2, 300, 32, 128]: the prefill schedule
+    for name, call, others in (
+            ("tensor cache_seqlens", lambda: rl_kernels.attention_with_kvcache(
+                q, k_cache, v_cache, lengths, backend=backend), 0),
+            ("int cache_seqlens", lambda: rl_kernels.attention_with_kvcache(
+                q, k_cache, v_cache, 1000, backend=backend), 0),
+            ("int cache_seqlens, new keys", lambda: rl_kernels.attention_with_kvcache(
+                q, k_cache, v_cache, 1000, backend=backend, **new), 2),
+            ("prefill without ranges", lambda: rl_kernels.attention(
+                q_prefill, k[:, :300], v[:, :300], backend=backend), 0)):
+        kernels = _kernels_of(call)
+        ours = [n for n in kernels if "attention" in n]
+        assert len(ours) == (1 if name.startswith("prefill") else 2), f"{name}: {kernels}"
+        assert len(kernels) - len(ours) == others, f"{name}: {kernels}"

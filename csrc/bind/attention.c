@@ -7,9 +7,11 @@
  * q, out, dout, dq: [B, T, Hq, d] (a batch of B sequences) or [T, Hq, d] (packed: batch stride 0);
  * k, v, dk, dv: the same with Hkv heads; lse: fp32 [B, Hq, T] or [Hq, T] (fp64 for fp64 inputs);
  * q_start, q_len, k_start, k_len: int32 [number of sequences] on the tensors' device (B of them for
- * 4-D tensors). Head dims contiguous; other strides free. bad_index_addr: on CUDA, a host-mapped
- * int32 flag the kernels set when a sequence's range is out of bounds (they cannot be checked here
- * without reading device memory).
+ * 4-D tensors), or None: every sequence starts at row 0 (starts) or spans max_q_len / max_k_len rows
+ * (lengths), as csrc/ops/attention.h's null arrays. The number of sequences is the length of the
+ * ones given, else B (4-D) or 1 (packed). Head dims contiguous; other strides free. bad_index_addr:
+ * on CUDA, a host-mapped int32 flag the kernels set when a sequence's range is out of bounds (they
+ * cannot be checked here without reading device memory).
  */
 #include "common.h"
 
@@ -48,7 +50,8 @@ static int check_like(const tensor_arg *t, const tensor_arg *ref) {
     return 0;
 }
 
-/* q, k, v, the index arrays and lse; fills everything in *a but the outputs' data. */
+/* q, k, v, the index arrays (each may be absent: None) and lse; fills everything in *a but the
+ * outputs' data. */
 static int prepare_attention(tensor_arg *q, tensor_arg *k, tensor_arg *v, tensor_arg *lse, tensor_arg *index,
                              rlk_attention_args *a) {
     if (tensor_arg_check_float(q) || tensor_arg_check_dtype(k, q->dtype) || tensor_arg_check_dtype(v, q->dtype) ||
@@ -73,15 +76,19 @@ static int prepare_attention(tensor_arg *q, tensor_arg *k, tensor_arg *v, tensor
                      (long long)a->heads_kv, (long long)a->heads_q);
         return -1;
     }
-    if (tensor_arg_check_ndim(&index[0], 1, 1)) return -1;
-    a->batch = index[0].shape[0];
+    const tensor_arg *first = NULL; /* the first range array given: it sets the number of sequences */
+    for (int i = 0; i < 4 && !first; i++)
+        if (index[i].present) first = &index[i];
+    if (first && tensor_arg_check_ndim(first, 1, 1)) return -1;
+    a->batch = first ? first->shape[0] : q->ndim == 4 ? q->shape[0] : 1;
     for (int i = 0; i < 4; i++)
-        if (tensor_arg_check_dtype(&index[i], RLK_I32) || tensor_arg_check_same_device(&index[i], q) ||
-            rlk_check_vector(&index[i], a->batch))
+        if (index[i].present && (tensor_arg_check_dtype(&index[i], RLK_I32) ||
+                                 tensor_arg_check_same_device(&index[i], q) || rlk_check_vector(&index[i], a->batch)))
             return -1;
     if (q->ndim == 4 && (a->batch != q->shape[0] || k->shape[0] != q->shape[0])) {
-        PyErr_Format(PyExc_ValueError, "q_len: %lld sequences for a batch of %lld (q) and %lld (k)",
-                     (long long)a->batch, (long long)q->shape[0], (long long)k->shape[0]);
+        PyErr_Format(PyExc_ValueError, "%s: %lld sequences for a batch of %lld (q) and %lld (k)",
+                     first ? first->name : "q_len", (long long)a->batch, (long long)q->shape[0],
+                     (long long)k->shape[0]);
         return -1;
     }
     a->dtype = q->dtype;
@@ -99,10 +106,10 @@ static int prepare_attention(tensor_arg *q, tensor_arg *k, tensor_arg *v, tensor
     a->lse.batch_stride = o ? lse->strides[0] : 0;
     a->lse.head_stride = lse->strides[o];
     a->lse.row_stride = lse->strides[o + 1];
-    a->q_start = (const int32_t *)index[0].data;
-    a->q_len = (const int32_t *)index[1].data;
-    a->k_start = (const int32_t *)index[2].data;
-    a->k_len = (const int32_t *)index[3].data;
+    a->q_start = index[0].present ? (const int32_t *)index[0].data : NULL;
+    a->q_len = index[1].present ? (const int32_t *)index[1].data : NULL;
+    a->k_start = index[2].present ? (const int32_t *)index[2].data : NULL;
+    a->k_len = index[3].present ? (const int32_t *)index[3].data : NULL;
     return 0;
 }
 
@@ -151,7 +158,8 @@ PyObject *py_attention_fwd(PyObject *self, PyObject *args) {
     static const char *const names[COUNT] = {"q", "k", "v", "out", "lse", "q_start", "q_len", "k_start", "k_len"};
     tensor_arg t[COUNT] = {0};
     int parsed = 0, ok = 1;
-    for (; parsed < COUNT && ok; parsed++) ok = tensor_arg_parse(obj[parsed], names[parsed], 0, &t[parsed]) == 0;
+    for (; parsed < COUNT && ok; parsed++)
+        ok = tensor_arg_parse(obj[parsed], names[parsed], parsed >= INDEX, &t[parsed]) == 0;
     rlk_attention_args a = {0};
     ok = ok && prepare_attention(&t[Q], &t[K], &t[V], &t[LSE], &t[INDEX], &a) == 0 &&
          check_max_lengths(&a, max_q_len, max_k_len) == 0 && check_like(&t[OUT], &t[Q]) == 0 &&
@@ -190,7 +198,8 @@ PyObject *py_attention_bwd(PyObject *self, PyObject *args) {
                                              "q_start", "q_len", "k_start", "k_len"};
     tensor_arg t[COUNT] = {0};
     int parsed = 0, ok = 1;
-    for (; parsed < COUNT && ok; parsed++) ok = tensor_arg_parse(obj[parsed], names[parsed], 0, &t[parsed]) == 0;
+    for (; parsed < COUNT && ok; parsed++)
+        ok = tensor_arg_parse(obj[parsed], names[parsed], parsed >= INDEX, &t[parsed]) == 0;
     rlk_attention_args a = {0};
     ok = ok && prepare_attention(&t[Q], &t[K], &t[V], &t[LSE], &t[INDEX], &a) == 0 &&
          check_max_lengths(&a, max_q_len, max_k_len) == 0 && rlk_check_backend(backend, &t[Q]) == 0 &&

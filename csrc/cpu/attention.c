@@ -83,9 +83,11 @@ typedef struct sequence {
     int64_t b, q_start, q_len, k_start, k_len;
 } sequence;
 
+/* Sequence b's ranges; a null array stands for 0 (starts) or max_q_len / max_k_len (lengths). */
 static sequence sequence_at(const rlk_attention_args *a, int64_t b)
 {
-    return (sequence){b, a->q_start[b], a->q_len[b], a->k_start[b], a->k_len[b]};
+    return (sequence){b, a->q_start ? a->q_start[b] : 0, a->q_len ? a->q_len[b] : a->max_q_len,
+                      a->k_start ? a->k_start[b] : 0, a->k_len ? a->k_len[b] : a->max_k_len};
 }
 
 static int64_t kv_head(const rlk_attention_args *a, int64_t h) { return h / (a->heads_q / a->heads_kv); }
@@ -699,9 +701,9 @@ static int supported_dtype(rlk_dtype dtype)
 static int check_lengths(const rlk_attention_args *a)
 {
     for (int64_t b = 0; b < a->batch; b++) {
-        if (a->q_len[b] < 0 || a->q_len[b] > a->max_q_len || a->k_len[b] < 0 || a->k_len[b] > a->max_k_len ||
-            a->q_start[b] < 0 || a->k_start[b] < 0 || (int64_t)a->q_start[b] + a->q_len[b] > a->q_rows ||
-            (int64_t)a->k_start[b] + a->k_len[b] > a->k_rows)
+        const sequence s = sequence_at(a, b);
+        if (s.q_len < 0 || s.q_len > a->max_q_len || s.k_len < 0 || s.k_len > a->max_k_len || s.q_start < 0 ||
+            s.k_start < 0 || s.q_start + s.q_len > a->q_rows || s.k_start + s.k_len > a->k_rows)
             return RLK_BAD_INDEX;
     }
     return RLK_OK;

@@ -1,6 +1,7 @@
 /* cuda/attention.cuh: what the attention forward of every architecture (sm80/attention.cu on
  * mma.sync, sm90/attention.cu on wgmma) shares: the per-sequence ranges and their check (a sequence
- * that breaks the contract is skipped and raises *bad_index), the contract's scaled(m), the row
+ * that breaks the contract raises *bad_index and is skipped, or run with no keys when only its key
+ * range is bad, so that its rows are still written), the contract's scaled(m), the row
  * state of a thread's two rows, its block update (mask_block, update_rows, rescale_rows), the
  * segment merge (merge_segment) and the normalization (finalize_row), the cp.async tile loads (in
  * each backend's swizzle), the forward's kernel parameters, the split-KV combine kernel, and the
@@ -51,7 +52,8 @@ __device__ __forceinline__ int visible_keys(int i, int q_len, int k_len, int cau
     return min(max(k_len - q_len + i + 1, 0), k_len);
 }
 
-/* The per-sequence ranges (device arrays) and the bounds the contract holds them to. */
+/* The per-sequence ranges (device arrays; a null one means 0 for starts, max_q_len / max_k_len for
+ * lengths) and the bounds the contract holds them to. */
 struct Sequences {
     const int32_t *q_start, *q_len, *k_start, *k_len;
     int64_t max_q_len, max_k_len, q_rows, k_rows;
@@ -63,17 +65,25 @@ struct SequenceRange {
     int q_len, k_len;
 };
 
-/* Sequence b's ranges. One that breaks the contract (negative, longer than max_q_len / max_k_len,
- * past the storage rows) is skipped: false, and the host-mapped flag raised for the caller. */
-__device__ __forceinline__ bool load_sequence(const Sequences &s, int b, SequenceRange &r) {
-    r.q_start = s.q_start[b];
-    r.k_start = s.k_start[b];
-    r.q_len = s.q_len[b];
-    r.k_len = s.k_len[b];
-    const bool ok = r.q_len >= 0 && r.q_len <= s.max_q_len && r.q_start >= 0 && r.q_start + r.q_len <= s.q_rows &&
-                    r.k_len >= 0 && r.k_len <= s.max_k_len && r.k_start >= 0 && r.k_start + r.k_len <= s.k_rows;
-    if (!ok && s.bad_index) *(volatile int32_t *)s.bad_index = 1;
-    return ok;
+/* Sequence b's ranges. Ranges that break the contract (negative, longer than max_q_len / max_k_len,
+ * past the storage rows) raise the host-mapped flag for the caller, and the sequence is skipped
+ * (false). The forward passes write_rows: a sequence whose query range holds but whose key range
+ * does not then runs with no keys (k_len 0) instead, so that the kernel owning each of its rows
+ * still writes it (out 0, lse -inf) and the caller may hand the forward uninitialized out / lse
+ * (csrc/ops/attention.h). */
+__device__ __forceinline__ bool load_sequence(const Sequences &s, int b, SequenceRange &r, bool write_rows = false) {
+    r.q_start = s.q_start ? s.q_start[b] : 0;
+    r.k_start = s.k_start ? s.k_start[b] : 0;
+    r.q_len = s.q_len ? s.q_len[b] : (int)s.max_q_len;
+    r.k_len = s.k_len ? s.k_len[b] : (int)s.max_k_len;
+    const bool q_ok = r.q_len >= 0 && r.q_len <= s.max_q_len && r.q_start >= 0 && r.q_start + r.q_len <= s.q_rows;
+    const bool k_ok = r.k_len >= 0 && r.k_len <= s.max_k_len && r.k_start >= 0 && r.k_start + r.k_len <= s.k_rows;
+    if (!(q_ok && k_ok) && s.bad_index) *(volatile int32_t *)s.bad_index = 1;
+    if (write_rows && q_ok && !k_ok) {
+        r.k_len = 0;
+        return true;
+    }
+    return q_ok && k_ok;
 }
 
 /* The contract's scaled(m) = round(m * c), 0 while m = -inf. States keep m only and recompute its
@@ -285,11 +295,12 @@ struct FwdCta {
     }
 };
 
-/* Fills cta for this CTA of the ROWS-row tiles; false when it has nothing to do (its sequence is
- * out of range, its tile past the sequence's rows, or its segment past the keys its rows see). */
+/* Fills cta for this CTA of the ROWS-row tiles; false when it has nothing to do (its sequence's
+ * query range is out of bounds, its tile past the sequence's rows, or its segment past the keys its
+ * rows see: a prefill CTA whose rows see no key still writes them). */
 template <int ROWS, bool SPLIT>
 __device__ __forceinline__ bool fwd_cta(const FwdParams &p, FwdCta &cta) {
-    if (!load_sequence(p.seq, blockIdx.z, cta.range)) return false;
+    if (!load_sequence(p.seq, blockIdx.z, cta.range, true)) return false;
     cta.causal = p.causal;
     cta.segment = 0;
     if (SPLIT) {
@@ -334,7 +345,7 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
     const int64_t bi = row / p.heads_q;
     const int i = (int)(bi % p.seq.max_q_len), b = (int)(bi / p.seq.max_q_len);
     SequenceRange range;
-    if (!load_sequence(p.seq, b, range) || i >= range.q_len) return;
+    if (!load_sequence(p.seq, b, range, true) || i >= range.q_len) return;
     const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
 
     /* the records are read BATCH segments at a time, all loads in flight together, then merged in

@@ -15,7 +15,14 @@
  * Packed varlen batches use batch_stride 0 and q_start / k_start = cu_seqlens[b]; a padded batch
  * [B, T, H, d] uses the batch stride and the first real row as start; a KV cache [B, Tmax, Hkv, d]
  * uses k_start = 0 and k_len = the cached length (new keys already appended).
- * Rows and keys outside a sequence's ranges are neither read nor written.
+ * No range array: any of q_start, q_len, k_start, k_len may be null, meaning q_start[b] = 0,
+ * q_len[b] = max_q_len, k_start[b] = 0, k_len[b] = max_k_len for every b. A [B, T, H, d] batch
+ * without padding needs no range array, a KV-cache decode step only k_len: a caller builds no small
+ * tensors (and launches no kernels to fill them) for ranges it does not have.
+ * Rows and keys outside a sequence's ranges are neither read nor written. Every row inside one is
+ * written by the forward, a row that sees no key included (out = 0, lse = -inf, below), so with
+ * q_start and q_len null and max_q_len = q_rows every row of out and lse is written and the caller
+ * need not initialize them (also when a key range is out of bounds: see Ranges below).
  *
  * Per query row and head, every backend computes (c = softmax_scale * log2(e), fp32 throughout):
  *   keys 0 .. L-1 are cut into SEGMENTs of RLK_ATTENTION_SEGMENT keys at absolute positions
@@ -53,9 +60,12 @@
  * (fp64 computed in double, lse then fp64 too: for gradcheck). lse is fp32 otherwise.
  * Ranges: the per-sequence starts and lengths live in device memory, so the binding cannot check them
  * without a sync. A launcher checks them (0 <= len <= max_len, 0 <= start, start + len <= rows): the
- * CPU one returns RLK_BAD_INDEX before writing anything; CUDA kernels skip such a sequence and set
- * *bad_index (the caller raises on its next call). Keys past a row's L are never read, so stale
- * values (NaN, Inf) in a cache beyond its length cannot reach a row.
+ * CPU one returns RLK_BAD_INDEX before writing anything; CUDA kernels set *bad_index (the caller
+ * raises on its next call) and skip such a sequence, except that the forward runs one whose query
+ * range holds but whose key range does not with no keys (k_len 0: its rows come out 0 with lse
+ * -inf, its keys are neither read nor written), so that it leaves no row of a sequence unwritten.
+ * Keys past a row's L are never read, so stale values (NaN, Inf) in a cache beyond its length
+ * cannot reach a row.
  * The order of the alpha rescale relative to a block's sums, of the merge's products and of the
  * backward's products (P and dS rounded to the dtype for a tensor-core product, or not) are each the
  * backend's, fixed.
@@ -85,7 +95,7 @@ typedef struct rlk_attention_args {
     rlk_dtype dtype;
     int causal;
     float softmax_scale;
-    const int32_t *q_start, *q_len, *k_start, *k_len; /* [batch] each, on the tensors' device */
+    const int32_t *q_start, *q_len, *k_start, *k_len; /* [batch] each, on the tensors' device, or null */
     rlk_attention_tensor q, k, v, out, lse;           /* forward: reads q, k, v; writes out, lse */
     rlk_attention_tensor dout, dq, dk, dv;            /* backward: reads q, k, v, out, lse, dout */
     int32_t *bad_index; /* CUDA: host-mapped flag set to 1 when a sequence's ranges are out of bounds */

@@ -79,10 +79,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             raise ValueError(f"attention(): q must be [B, T, H, d] (or packed [total, H, d] with "
                              f"cu_seqlens), got {q.dim()}-D")
         batch = q.shape[0]
-        q_start, q_len = _ranges("q", q_start, q_len, batch, q.shape[1], q.device)
-        k_start, k_len = _ranges("k", k_start, k_len, batch, k.shape[1], q.device)
         max_seqlen_q = q.shape[1] if max_seqlen_q is None else int(max_seqlen_q)
         max_seqlen_k = k.shape[1] if max_seqlen_k is None else int(max_seqlen_k)
+        q_start, q_len = _ranges("q", q_start, q_len, batch, q.shape[1], max_seqlen_q, q.device)
+        k_start, k_len = _ranges("k", k_start, k_len, batch, k.shape[1], max_seqlen_k, q.device)
     args = (q, k, v, q_start, q_len, k_start, k_len, max_seqlen_q, max_seqlen_k, causal, scale,
             backend)
     if eager_direct(q, k, v):
@@ -128,26 +128,34 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if k_new.shape != v_new.shape:
             raise ValueError("attention_with_kvcache(): k_new and v_new differ in shape")
         t_new = k_new.shape[1]
-    k_len = cached + t_new if t_new else cached  # (no add kernel per decode step)
-    if not cached.is_cuda:  # free to check here; on CUDA the kernels flag a bad range (no sync)
-        if batch and int(cached.min()) < 0:
-            raise ValueError(f"attention_with_kvcache(): cache_seqlens must be >= 0, got "
-                             f"{cached.tolist()[:8]}")
-        if batch and t_new and int(k_len.max()) > t_max:
-            raise ValueError(f"cache_seqlens: appending {t_new} keys overflows the cache of {t_max} "
-                             f"(largest cache_seqlens {int(cached.max())})")
-    elif t_new:  # a negative start could hide in cached + t_new: give such a sequence k_len -1
-        k_len = torch.where((cached < 0) | (k_len > t_max), -1, k_len)
-    # (without appended keys k_len is cached itself, which the kernels check against [0, t_max])
-    if k_new is not None:
-        _append(k_cache, v_cache, k_new, v_new, cached)  # into the caller's cache, whatever its strides
-        if k is not k_cache or v is not v_cache:  # the kernels read a head-dim-contiguous copy
-            k, v = k_cache.contiguous(), v_cache.contiguous()
-    zeros = torch.zeros(batch, dtype=torch.int32, device=q.device)
-    q_len = torch.full((batch,), q.shape[1], dtype=torch.int32, device=q.device)
-    with torch.no_grad():
-        out, lse = _forward_impl(q, k, v, zeros, q_len, zeros, k_len, q.shape[1], t_max, causal,
-                                 scale, backend)
+    if type(cached) is int and 0 <= cached <= t_max - t_new:
+        # every sequence has the same keys: no k_len tensor (None: max_k_len keys each), and the
+        # new keys land in one slice of the cache
+        k_len, max_k_len = None, cached + t_new
+        if t_new:
+            k_cache[:, cached:cached + t_new] = k_new
+            v_cache[:, cached:cached + t_new] = v_new
+    else:
+        if type(cached) is int:  # out of range: refused or flagged below, as a tensor's would be
+            cached = torch.full((batch,), cached, dtype=torch.int32, device=q.device)
+        k_len, max_k_len = (cached + t_new if t_new else cached), t_max  # (no add without new keys)
+        if not cached.is_cuda:  # free to check here; on CUDA the kernels flag a bad range (no sync)
+            if batch and int(cached.min()) < 0:
+                raise ValueError(f"attention_with_kvcache(): cache_seqlens must be >= 0, got "
+                                 f"{cached.tolist()[:8]}")
+            if batch and t_new and int(k_len.max()) > t_max:
+                raise ValueError(f"cache_seqlens: appending {t_new} keys overflows the cache of "
+                                 f"{t_max} (largest cache_seqlens {int(cached.max())})")
+        elif t_new:  # a negative start could hide in cached + t_new: give such a sequence k_len -1
+            k_len = torch.where(cached < 0, -1, k_len)  # (past t_max the kernels see it themselves)
+        # (without appended keys k_len is cached itself, which the kernels check against [0, t_max])
+        if t_new:
+            _append(k_cache, v_cache, k_new, v_new, cached)  # into the caller's cache, any strides
+    if t_new and (k is not k_cache or v is not v_cache):  # the kernels read a head-dim-contiguous copy
+        k, v = k_cache.contiguous(), v_cache.contiguous()
+    # the queries are all of q's rows and the keys start at row 0: no range tensors (None)
+    out, lse = _forward_impl(q, k, v, None, None, None, k_len, q.shape[1], max_k_len, causal, scale,
+                             backend)
     return (out, lse) if return_lse else out
 
 
@@ -155,33 +163,48 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # Argument handling
 # --------------------------------------------------------------------------------------------
 
+_QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def _check_qkv(op, q, k, v):
+    # (q's dtype, device and dim read once: this runs on every call, each attribute costs ~0.1 us)
+    dtype = device = ndim = None
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(op, name, t)
-        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            raise TypeError(f"{op}(): {name} has dtype {t.dtype}; expected bfloat16 or float16 "
+        t_dtype, t_device, t_ndim = t.dtype, t.device, t.dim()
+        if t_dtype not in _QKV_DTYPES:
+            raise TypeError(f"{op}(): {name} has dtype {t_dtype}; expected bfloat16 or float16 "
                             f"(float32 / float64 on the CPU)")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(f"{op}(): {name} is {t.dtype} on {t.device} but q is {q.dtype} on "
-                            f"{q.device}")
-        if t.dim() != q.dim() or t.dim() not in (3, 4):
+        if dtype is None:
+            dtype, device, ndim = t_dtype, t_device, t_ndim
+        elif t_dtype != dtype or t_device != device:
+            raise TypeError(f"{op}(): {name} is {t_dtype} on {t_device} but q is {dtype} on "
+                            f"{device}")
+        if t_ndim != ndim or t_ndim not in (3, 4):
             raise ValueError(f"{op}(): q, k, v must all be [B, T, H, d] or all packed [T, H, d]; "
                              f"got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
-    if k.shape != v.shape:
-        raise ValueError(f"{op}(): k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    d, heads_q, heads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
-    if k.shape[-1] != d:
-        raise ValueError(f"{op}(): k has head dim {k.shape[-1]}, q {d}")
+    k_shape = k.shape
+    if k_shape != v.shape:
+        raise ValueError(f"{op}(): k {tuple(k_shape)} and v {tuple(v.shape)} differ")
+    d, heads_q, heads_kv = q.shape[-1], q.shape[-2], k_shape[-2]
+    if k_shape[-1] != d:
+        raise ValueError(f"{op}(): k has head dim {k_shape[-1]}, q {d}")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"{op}(): q has {heads_q} heads, not a multiple of k's {heads_kv} (GQA)")
     if q.is_cuda:
         if d not in CUDA_HEAD_DIMS:
             raise ValueError(f"{op}(): head dim {d} is not supported on CUDA (64 or 128; CPU "
                              f"tensors take any)")
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"{op}(): CUDA attention takes bfloat16 or float16, got {q.dtype}")
-    # the head dim must be contiguous; everything else may be strided
-    return tuple(t.contiguous() if t.shape[-1] > 1 and t.stride(-1) != 1 else t for t in (q, k, v))
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{op}(): CUDA attention takes bfloat16 or float16, got {dtype}")
+    return _head_dim_contiguous(q), _head_dim_contiguous(k), _head_dim_contiguous(v)
+
+
+def _head_dim_contiguous(t):
+    """t, or a contiguous copy when its head dim is strided: the head dim must be contiguous;
+    everything else may be strided. (stride()[-1] first: a tuple read is the cheapest test, and
+    this runs on every call.)"""
+    return t.contiguous() if t.stride()[-1] != 1 and t.shape[-1] > 1 else t
 
 
 def _aligned_rows(t):
@@ -241,25 +264,29 @@ def _ranges_from_cu_seqlens(name, cu, rows, max_len, device):
     return start, length, int(max_len)
 
 
-def _ranges(which, start, length, batch, rows, device):
-    """Per-sequence (start, len) of a [B, T, H, d] batch: all T rows, or the given ones."""
+def _ranges(which, start, length, batch, rows, max_len, device):
+    """Per-sequence (start, len) of a [B, T, H, d] batch: all T rows, or the given ones. None stands
+    for start 0 and len max_len (csrc/ops/attention.h), so that a batch without padding builds no
+    tensors; all T rows with another max_len keep a len tensor (the launchers refuse it)."""
     if start is None and length is None:
-        full = torch.full((batch,), rows, dtype=torch.int32, device=device)
-        return torch.zeros(batch, dtype=torch.int32, device=device), full
+        if max_len == rows:
+            return None, None
+        return None, torch.full((batch,), rows, dtype=torch.int32, device=device)
     if length is None:
         raise ValueError(f"attention(): {which}_start needs {which}_len")
     length = _int32_vector(f"{which}_len", length, batch, device)
-    start = (torch.zeros(batch, dtype=torch.int32, device=device) if start is None
-             else _int32_vector(f"{which}_start", start, batch, device))
+    if start is not None:
+        start = _int32_vector(f"{which}_start", start, batch, device)
     return start, length
 
 
 def _cache_seqlens(cache_seqlens, batch, device):
+    """cache_seqlens checked: an int as an int, a tensor as an int32 [batch] on device."""
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
         raise TypeError(f"attention_with_kvcache(): cache_seqlens must be an int or an int32 tensor, "
                         f"got {type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
-        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+        return int(cache_seqlens)
     return _int32_vector("cache_seqlens", cache_seqlens, batch, device, "attention_with_kvcache")
 
 
@@ -269,8 +296,8 @@ def _append(k_cache, v_cache, k_new, v_new, cached):
     kernels' flag), and clamping keeps the copy itself in bounds."""
     batch, t_new = k_new.shape[:2]
     t_max = k_cache.shape[1]
-    positions = (cached.to(torch.int64)[:, None] +
-                 torch.arange(t_new, device=cached.device)).clamp_(0, t_max - 1)
+    # int32 cached + the int64 arange is computed in int64: no overflow before the clamp
+    positions = (cached[:, None] + torch.arange(t_new, device=cached.device)).clamp_(0, t_max - 1)
     rows = torch.arange(batch, device=cached.device)[:, None].expand(batch, t_new)
     k_cache[rows, positions] = k_new
     v_cache[rows, positions] = v_new
@@ -280,13 +307,15 @@ def _append(k_cache, v_cache, k_new, v_new, cached):
 # torch.library ops and autograd
 # --------------------------------------------------------------------------------------------
 
+# q_start / q_len / k_start / k_len: None means start 0 / len max_q_len or max_k_len for every
+# sequence (csrc/ops/attention.h), which spares a call the small tensors of ranges it does not have
 LIBRARY.define(
-    "attention(Tensor q, Tensor k, Tensor v, Tensor q_start, Tensor q_len, Tensor k_start, "
-    "Tensor k_len, int max_q_len, int max_k_len, bool causal, float softmax_scale, str backend) "
+    "attention(Tensor q, Tensor k, Tensor v, Tensor? q_start, Tensor? q_len, Tensor? k_start, "
+    "Tensor? k_len, int max_q_len, int max_k_len, bool causal, float softmax_scale, str backend) "
     "-> (Tensor, Tensor)")
 LIBRARY.define(
     "attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-    "Tensor q_start, Tensor q_len, Tensor k_start, Tensor k_len, int max_q_len, int max_k_len, "
+    "Tensor? q_start, Tensor? q_len, Tensor? k_start, Tensor? k_len, int max_q_len, int max_k_len, "
     "bool causal, float softmax_scale, str backend) -> (Tensor, Tensor, Tensor)")
 
 
@@ -299,9 +328,15 @@ def _forward_impl(q, k, v, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
     BAD_RANGE.raise_if_set()
     code, stream = backend_and_stream("attention", q.device, backend)
     q, k, v = _aligned_rows(q), _aligned_rows(k), _aligned_rows(v)
-    out = torch.zeros_like(q)  # rows outside the sequences stay 0
-    lse = torch.full(_lse_shape(q), -math.inf, device=q.device,
-                     dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if q_start is None and q_len is None and max_q_len == q.shape[-3]:
+        # the sequences cover every row, and the launchers write every row of a sequence (one
+        # whose key range is out of bounds included, csrc/ops/attention.h): nothing to fill
+        out = torch.empty_like(q)
+        lse = torch.empty(_lse_shape(q), device=q.device, dtype=lse_dtype)
+    else:  # rows outside the sequences stay 0 / -inf
+        out = torch.zeros_like(q)
+        lse = torch.full(_lse_shape(q), -math.inf, device=q.device, dtype=lse_dtype)
     _C.attention_fwd(q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
                      causal, scale, BAD_RANGE.address(q.device), code, stream)
     return out, lse

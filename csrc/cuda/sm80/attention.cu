@@ -24,7 +24,7 @@
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm80_forced takes either on request.
  * Shared memory: prefill 64 x d Q tile + 2 x (K, V) blocks = 80 KB (d = 128) / 40 KB (d = 64);
  * split 64 x d Q tile + 3 x (K, V) blocks = 112 KB / 56 KB. Registers (ptxas sm_90, d = 128 / 64,
- * no spills, sm_80 alike): prefill 255 / 189, split 216 / 152, combine 135 (16 segment records in
+ * no spills, sm_80 alike): prefill 255 / 189, split 216 / 152, combine 136 (16 segment records in
  * flight), backward dK/dV 250 / 184, dQ 231 / 184, prep 32 / 28.
  * Measured (H100, bf16, d = 128, causal, GQA 32/8, scripts/attention_sm80_probe.py): prefill forward
  * 233-244 TFLOP/s at T = 4k (flash SDPA 303-318, cuDNN 531), fwd+bwd 212; decode over an 8k cache
@@ -63,7 +63,9 @@
  * 64 or 128, heads_q a multiple of heads_kv, 16-byte aligned data pointers and batch/row/head strides
  * multiples of 8 elements (the loads are 16-byte cp.async), lse any fp32 strides. Every kernel checks
  * its sequence's ranges (0 <= len <= max_len, 0 <= start, start + len <= rows; load_sequence) and
- * skips a sequence that breaks them, raising *bad_index.
+ * skips a sequence that breaks them, raising *bad_index (the forward kernels instead run one whose
+ * key range alone breaks them with no keys, writing its rows as out 0, lse -inf); a null range array
+ * reads as csrc/ops/attention.h says.
  *
  * Build (object, ptxas report):
  *   nvcc -c csrc/cuda/sm80/attention.cu -o /tmp/attn.o -O3 -std=c++17 -lineinfo -Xcompiler -fPIC \

@@ -34,7 +34,7 @@
  * Shared memory (d = 128 / 64): prefill Q tile 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
  * 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB; + 1 KB in which the
  * mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no spills): prefill 168
- * at entry (consumers then 232, they need <= 168; producer 40), split 128 (consumer 216), combine 135.
+ * at entry (consumers then 232, they need <= 168; producer 40), split 128 (consumer 216), combine 136.
  * Speed, what limits it and what was tried: docs/perf-notes.md ("Attention forward on wgmma");
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
@@ -62,7 +62,9 @@
  * heads_kv, 16-byte aligned data pointers and batch/row/head strides multiples of 8 elements, lse any
  * fp32 strides), so whether the fallback runs depends on dtype and head_dim only. Every kernel checks
  * its sequence's ranges (0 <= len <= max_len, 0 <= start, start + len <= rows; load_sequence) and
- * skips a sequence that breaks them, raising *bad_index.
+ * skips a sequence that breaks them, raising *bad_index (one whose key range alone breaks them runs
+ * with no keys instead, its rows written as out 0, lse -inf); a null range array reads as
+ * csrc/ops/attention.h says.
  *
  * Build (object, ptxas report; the wgmma header is generated):
  *   python3 csrc/cuda/sm90/wgmma_gen.py build/gen && nvcc -c csrc/cuda/sm90/attention.cu -o /tmp/a90.o \
