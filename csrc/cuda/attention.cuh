@@ -1,5 +1,5 @@
-/* cuda/attention.cuh: what the attention forward of every architecture (sm80/attention.cu on
- * mma.sync, sm90/attention.cu on wgmma) shares: the per-sequence ranges and their check (a sequence
+/* cuda/attention.cuh: what the attention of every architecture (sm80/attention.cu on mma.sync,
+ * sm90/attention.cu on wgmma) shares: the per-sequence ranges and their check (a sequence
  * that breaks the contract raises *bad_index and is skipped, or run with no keys when only its key
  * range is bad, so that its rows are still written), the contract's scaled(m), the row
  * state of a thread's two rows, its block update (mask_block, update_rows, rescale_rows), the
@@ -7,7 +7,10 @@
  * each backend's swizzle), the forward's kernel parameters, the split-KV combine kernel, and the
  * host side: the layout checks (supported), the schedule choice, the split workspace, the forward
  * launch (launch_fwd; each backend supplies its tile plan and attention_fwd_kernel) and the
- * forward's entry point (attention_fwd_entry). The contract is csrc/ops/attention.h.
+ * forward's entry point (attention_fwd_entry); for the backward, its parameters (BwdParams), the
+ * row-statistics kernel that runs first (attention_bwd_prep_kernel), the gradient rows' store
+ * (store_acc_rows) and the entry point (attention_bwd_entry; each backend supplies its dK/dV and dQ
+ * kernels). The contract is csrc/ops/attention.h.
  *
  * The merge and the normalization are the contract's "one shared function per backend": both
  * schedules of a backend (prefill kernel, split kernel + combine kernel) call them, every product

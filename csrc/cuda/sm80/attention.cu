@@ -50,7 +50,8 @@
  * not on batch size, packing, padding, q_len (full vs chunked prefill vs decode) or schedule.
  *
  * Backward (deterministic: fixed loops, no atomics):
- *   attention_bwd_prep_kernel: stats[b][h][i] = {lse * log2(e), D = sum_d dout * out} (fp32).
+ *   attention_bwd_prep_kernel (cuda/attention.cuh, shared with sm90): stats[b][h][i] = {lse * log2(e),
+ *     D = sum_d dout * out} (fp32).
  *   attention_bwd_dkdv_kernel: a CTA of 4 warps owns 64 keys of one (sequence, kv head), 16 per
  *     warp, K and V resident in shared memory; it walks the group's query heads in increasing order
  *     and, per head, the 64-row query blocks that can see its keys in increasing order (Q, dO and

@@ -1,6 +1,5 @@
-/* sm90/attention.cu: prefill/decode-invariant attention forward on the Hopper tensor cores (wgmma,
- * sm_90a). The contract is csrc/ops/attention.h; the backward runs on the sm80 kernels (the sm90
- * backend falls back to sm80 for the entries it lacks).
+/* sm90/attention.cu: prefill/decode-invariant attention, forward and backward, on the Hopper tensor
+ * cores (wgmma, sm_90a). The contract is csrc/ops/attention.h.
  *
  * Forward. Per query row: keys cut into segments of 512 at absolute positions 0, 512, ..., each cut
  * into blocks of 64; a segment's softmax state (m, l, acc) is built block by block from empty, and
@@ -38,6 +37,16 @@
  * Speed, what limits it and what was tried: docs/perf-notes.md ("Attention forward on wgmma");
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
+ * Backward (deterministic: fixed loops, no atomics; the kernels' own comment, at "backward" below,
+ * has the detail): the shared prep kernel (cuda/attention.cuh) writes each row's {lse log2(e), D =
+ * sum dout out}; attention_bwd_dkdv_kernel (a CTA owns 128 keys of one (sequence, kv head), K and V
+ * resident, the group's query heads and their 64-query blocks streamed in increasing order: S^T,
+ * dP^T, dV += P^T dO, dK += dS^T Q) and attention_bwd_dq_kernel (a CTA owns 128 query rows, Q and dO
+ * resident, the 64-key blocks streamed in increasing order: S, dP, dQ += dS K), each with two
+ * consumer warpgroups and a cp.async producer warpgroup on the forward's ring. Shared memory (d =
+ * 128): dK/dV 64 KB resident + 3 x 32 KB ring + 2 KB row stats, dQ 64 KB + 3 x 32 KB. Registers:
+ * producer 24, consumers 240 (dK/dV peaks at ~230 at d = 128; ptxas serializes the wgmmas below
+ * that), no spills.
  * Why the two schedules give the same bits for a row:
  *   - the block update (block_scores, block_operands, then issue_pv), the segment merge
  *     (merge_segment) and the normalization (finalize_row; all in cuda/attention.cuh, the sm80
@@ -70,8 +79,9 @@
  *   python3 csrc/cuda/sm90/wgmma_gen.py build/gen && nvcc -c csrc/cuda/sm90/attention.cu -o /tmp/a90.o \
  *     -O3 -std=c++17 -lineinfo -Xcompiler -fPIC --expt-relaxed-constexpr -Xptxas -v -Icsrc -Ibuild/gen \
  *     -gencode arch=compute_90a,code=sm_90a
- * Test (GPU): python3 -m pytest tests/test_gpu_attention.py -m gpu -k sm90 (accuracy vs fp64, bitwise
- *   prefill == chunked prefill == decode, packing / padding, stale NaN); benchmarks/bench_attention.py.
+ * Test (GPU): python3 -m pytest tests/test_gpu_attention.py -m gpu -k sm90 (accuracy of out and the
+ *   gradients vs fp64, bitwise prefill == chunked prefill == decode, packing / padding for out and
+ *   the gradients, stale NaN, deterministic backward); benchmarks/bench_attention.py.
  */
 #include <math.h>
 #include <stdint.h>
