@@ -431,6 +431,47 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_kernel(const BwdParams
     }
 }
 
+/* The grid launch_bwd lays out, decoded. A dK/dV CTA (key tile, kv head, sequence) owns keys key0 ..
+ * key0 + keys_in - 1 and walks, for each query head of the group in increasing order, the 64-query
+ * blocks qb_begin .. qb_begin + qb_count - 1 (counted from the sequence's first query) that can see
+ * key0. A dQ CTA (head, row tile counted from the last: the causal tiles with the most keys start
+ * first, sequence) owns query rows q0 .. q0 + rows_in - 1. Both false when the CTA has nothing to do. */
+struct KeyTile {
+    SequenceRange range;
+    int kv_head, key0, keys_in, qb_begin, qb_count;
+};
+
+template <int ROWS>
+__device__ __forceinline__ bool key_tile(const BwdParams &p, KeyTile &t) {
+    if (!load_sequence(p.seq, blockIdx.z, t.range)) return false;
+    const int q_len = t.range.q_len, k_len = t.range.k_len;
+    t.kv_head = blockIdx.y;
+    t.key0 = blockIdx.x * ROWS;
+    if (t.key0 >= k_len) return false;
+    t.keys_in = min(ROWS, k_len - t.key0);
+    const int first_query = p.causal ? max(0, t.key0 - (k_len - q_len)) : 0;
+    t.qb_begin = first_query / BLOCK_N;
+    t.qb_count = first_query < q_len ? (q_len + BLOCK_N - 1) / BLOCK_N - t.qb_begin : 0;
+    return true;
+}
+
+struct QueryTile {
+    SequenceRange range;
+    int head, q0, rows_in, causal;
+    /* the keys tile row r sees */
+    __device__ __forceinline__ int len_of(int r) const { return visible_keys(q0 + r, range.q_len, range.k_len, causal); }
+};
+
+template <int ROWS>
+__device__ __forceinline__ bool query_tile(const BwdParams &p, QueryTile &t) {
+    if (!load_sequence(p.seq, blockIdx.z, t.range)) return false;
+    t.head = blockIdx.x;
+    t.q0 = (gridDim.y - 1 - blockIdx.y) * ROWS;
+    t.causal = p.causal;
+    t.rows_in = min(ROWS, t.range.q_len - t.q0);
+    return t.rows_in > 0;
+}
+
 /* Stores a thread's two rows of an MMA accumulator tile (row h: first_row + thread_row + 8 h, when
  * thread_row + 8 h < rows_in) times scale, rounded to the dtype. c(h, j, e): row h's accumulator at
  * column 8 j + 2 (lane % 4) + e, the layout of both backends' fragments. */
@@ -594,6 +635,33 @@ BwdParams bwd_params(const rlk_attention_args *a) {
     p.stats = (float2 *)a->workspace;
     p.stats_pitch = (int)((a->max_q_len + 1) & ~(int64_t)1);
     return p;
+}
+
+/* The backward's dK/dV kernel over (key tile, kv head, sequence) and dQ kernel over (head, row tile,
+ * sequence): KeyTile / QueryTile above decode it. Tiles is the backend's plan (ROWS keys or query rows
+ * per CTA, THREADS, DKDV_SMEM_BYTES, DQ_SMEM_BYTES). */
+template <class Tiles>
+int launch_bwd(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream, void (*dkdv)(BwdParams),
+               void (*dq)(BwdParams)) {
+    const int64_t row_tiles = (a->max_q_len + Tiles::ROWS - 1) / Tiles::ROWS;
+    if (row_tiles > 65535) return RLK_UNSUPPORTED;
+    cudaError_t err = cudaSuccess;
+    if (a->max_k_len > 0) {
+        err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DKDV_SMEM_BYTES);
+        if (err != cudaSuccess) return (int)err;
+        dkdv<<<dim3((unsigned)((a->max_k_len + Tiles::ROWS - 1) / Tiles::ROWS), (unsigned)a->heads_kv, (unsigned)a->batch),
+               Tiles::THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
+        err = cudaGetLastError();
+        if (err != cudaSuccess) return (int)err;
+    }
+    if (row_tiles > 0) {
+        err = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DQ_SMEM_BYTES);
+        if (err != cudaSuccess) return (int)err;
+        dq<<<dim3((unsigned)a->heads_q, (unsigned)row_tiles, (unsigned)a->batch), Tiles::THREADS, Tiles::DQ_SMEM_BYTES,
+             stream>>>(p);
+        err = cudaGetLastError();
+    }
+    return (int)err;
 }
 
 /* A backend's backward entry point (rlk_attention_bwd_<arch>): the layout check, the kernel's name

@@ -368,6 +368,7 @@ constexpr int BWD_THREADS = 128;
 
 template <int D>
 struct BwdTiles {
+    static constexpr int ROWS = BWD_ROWS, THREADS = BWD_THREADS;
     static constexpr int TILE_BYTES = BWD_ROWS * D * 2;
     /* dK/dV: K, V resident; 2 stages of (Q, dO, 64 stats) */
     static constexpr int DKDV_STAGE_BYTES = 2 * TILE_BYTES + BWD_ROWS * 8;
@@ -384,19 +385,12 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(cons
     const uint32_t k_tile = smem_u32(smem), v_tile = k_tile + TILE_BYTES, ring = v_tile + TILE_BYTES;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int b = blockIdx.z, kv_head = blockIdx.y, key0 = blockIdx.x * BWD_ROWS;
-    SequenceRange range;
-    if (!load_sequence(p.seq, b, range)) return;
-    const int q_len = range.q_len, k_len = range.k_len;
-    if (key0 >= k_len) return;
-    const int keys_in = min(BWD_ROWS, k_len - key0);
-    const int64_t q_row0 = range.q_start, k_row0 = range.k_start + key0;
-
-    /* query blocks that can see key0, per head of the group, in increasing order */
-    const int first_query = p.causal ? max(0, key0 - (k_len - q_len)) : 0;
-    const int qb_begin = first_query / BWD_ROWS;
-    const int qb_count = first_query < q_len ? (q_len + BWD_ROWS - 1) / BWD_ROWS - qb_begin : 0;
-    const int iters = p.group * qb_count;
+    KeyTile tile;
+    if (!key_tile<BWD_ROWS>(p, tile)) return;
+    const int b = blockIdx.z, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
+    const int q_len = tile.range.q_len, k_len = tile.range.k_len;
+    const int qb_begin = tile.qb_begin, qb_count = tile.qb_count, iters = p.group * qb_count;
+    const int64_t q_row0 = tile.range.q_start, k_row0 = tile.range.k_start + key0;
 
     load_tile_async<D, BWD_ROWS, BWD_THREADS>(k_tile, row_address(p.k, b, k_row0, kv_head), p.k.row_stride, keys_in, tid);
     load_tile_async<D, BWD_ROWS, BWD_THREADS>(v_tile, row_address(p.v, b, k_row0, kv_head), p.v.row_stride, keys_in, tid);
@@ -520,15 +514,12 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
     const uint32_t q_tile = smem_u32(smem), do_tile = q_tile + TILE_BYTES, ring = do_tile + TILE_BYTES;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int b = blockIdx.z, head = blockIdx.y, kv_head = head / p.group;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BWD_ROWS; /* the causal blocks with the most keys first */
-    SequenceRange range;
-    if (!load_sequence(p.seq, b, range)) return;
-    const int q_len = range.q_len, k_len = range.k_len;
-    const int rows_in = min(BWD_ROWS, q_len - q0);
-    if (rows_in <= 0) return;
-    const int64_t q_row0 = range.q_start + q0, k_row0 = range.k_start;
-    auto len_of = [&](int r) { return visible_keys(q0 + r, q_len, k_len, p.causal); };
+    QueryTile tile;
+    if (!query_tile<BWD_ROWS>(p, tile)) return;
+    const int b = blockIdx.z, head = tile.head, kv_head = head / p.group, q0 = tile.q0, rows_in = tile.rows_in;
+    const int k_len = tile.range.k_len;
+    const int64_t q_row0 = tile.range.q_start + q0, k_row0 = tile.range.k_start;
+    auto len_of = [&](int r) { return tile.len_of(r); };
     const int block_end = (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
     const int warp_row0 = warp * 16;
     const bool warp_has_rows = warp_row0 < rows_in;
@@ -645,28 +636,7 @@ struct Forward {
 template <bool BF16, int D>
 struct Backward {
     static int run(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream) {
-        using Tiles = BwdTiles<D>;
-        cudaError_t err = cudaSuccess;
-        if (a->max_k_len > 0) {
-            auto kernel = attention_bwd_dkdv_kernel<BF16, D>;
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DKDV_SMEM_BYTES);
-            if (err != cudaSuccess) return (int)err;
-            kernel<<<dim3((unsigned)((a->max_k_len + BWD_ROWS - 1) / BWD_ROWS), (unsigned)a->heads_kv,
-                          (unsigned)a->batch),
-                     BWD_THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
-            err = cudaGetLastError();
-            if (err != cudaSuccess) return (int)err;
-        }
-        if (a->max_q_len > 0) {
-            auto kernel = attention_bwd_dq_kernel<BF16, D>;
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DQ_SMEM_BYTES);
-            if (err != cudaSuccess) return (int)err;
-            kernel<<<dim3((unsigned)((a->max_q_len + BWD_ROWS - 1) / BWD_ROWS), (unsigned)a->heads_q,
-                          (unsigned)a->batch),
-                     BWD_THREADS, Tiles::DQ_SMEM_BYTES, stream>>>(p);
-            err = cudaGetLastError();
-        }
-        return (int)err;
+        return launch_bwd<BwdTiles<D>>(p, a, stream, attention_bwd_dkdv_kernel<BF16, D>, attention_bwd_dq_kernel<BF16, D>);
     }
 };
 

@@ -584,19 +584,13 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
 
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
-    const int b = blockIdx.z, kv_head = blockIdx.y, key0 = blockIdx.x * ROWS;
-    SequenceRange range;
-    if (!load_sequence(p.seq, b, range)) return;
-    const int q_len = range.q_len, k_len = range.k_len;
-    if (key0 >= k_len) return;
-    const int keys_in = min(ROWS, k_len - key0);
-    const int64_t q_row0 = range.q_start, k_row0 = range.k_start + key0;
-
-    /* the query blocks that can see key0, per head of the group, in increasing order */
-    const int first_query = p.causal ? max(0, key0 - (k_len - q_len)) : 0;
-    const int qb_begin = first_query / BLOCK_N;
-    const int qb_count = __shfl_sync(0xffffffffu, first_query < q_len ? (q_len + BLOCK_N - 1) / BLOCK_N - qb_begin : 0, 0);
+    KeyTile tile;
+    if (!key_tile<ROWS>(p, tile)) return;
+    const int b = blockIdx.z, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
+    const int q_len = tile.range.q_len, k_len = tile.range.k_len;
+    const int qb_begin = tile.qb_begin, qb_count = __shfl_sync(0xffffffffu, tile.qb_count, 0);
     const int iters = p.group * qb_count;
+    const int64_t q_row0 = tile.range.q_start, k_row0 = tile.range.k_start + key0;
 
     const Ring<STAGES> ring{bar, bar + 8 * STAGES};
     if (tid == 0) ring.init(4 * Tiles::WARPGROUPS);
@@ -738,15 +732,12 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
 
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
-    const int b = blockIdx.z, head = blockIdx.x, kv_head = head / p.group;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * ROWS; /* the causal tiles with the most keys first */
-    SequenceRange range;
-    if (!load_sequence(p.seq, b, range)) return;
-    const int q_len = range.q_len, k_len = range.k_len;
-    const int rows_in = min(ROWS, q_len - q0);
-    if (rows_in <= 0) return;
-    const int64_t q_row0 = range.q_start + q0, k_row0 = range.k_start;
-    auto len_of = [&](int r) { return visible_keys(q0 + r, q_len, k_len, p.causal); };
+    QueryTile tile;
+    if (!query_tile<ROWS>(p, tile)) return;
+    const int b = blockIdx.z, head = tile.head, kv_head = head / p.group, q0 = tile.q0, rows_in = tile.rows_in;
+    const int k_len = tile.range.k_len;
+    const int64_t q_row0 = tile.range.q_start + q0, k_row0 = tile.range.k_start;
+    auto len_of = [&](int r) { return tile.len_of(r); };
     const int blocks = __shfl_sync(0xffffffffu, (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N, 0);
 
     const Ring<STAGES> ring{bar, bar + 8 * STAGES};
@@ -876,28 +867,7 @@ struct Forward {
 template <bool BF16, int D>
 struct Backward {
     static int run(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream) {
-        using Tiles = BwdTiles<D>;
-        cudaError_t err = cudaSuccess;
-        if (a->max_k_len > 0) {
-            auto kernel = attention_bwd_dkdv_kernel<BF16, D>;
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DKDV_SMEM_BYTES);
-            if (err != cudaSuccess) return (int)err;
-            kernel<<<dim3((unsigned)((a->max_k_len + Tiles::ROWS - 1) / Tiles::ROWS), (unsigned)a->heads_kv,
-                          (unsigned)a->batch),
-                     Tiles::THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
-            err = cudaGetLastError();
-            if (err != cudaSuccess) return (int)err;
-        }
-        if (a->max_q_len > 0) {
-            auto kernel = attention_bwd_dq_kernel<BF16, D>;
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DQ_SMEM_BYTES);
-            if (err != cudaSuccess) return (int)err;
-            kernel<<<dim3((unsigned)a->heads_q, (unsigned)((a->max_q_len + Tiles::ROWS - 1) / Tiles::ROWS),
-                          (unsigned)a->batch),
-                     Tiles::THREADS, Tiles::DQ_SMEM_BYTES, stream>>>(p);
-            err = cudaGetLastError();
-        }
-        return (int)err;
+        return launch_bwd<BwdTiles<D>>(p, a, stream, attention_bwd_dkdv_kernel<BF16, D>, attention_bwd_dq_kernel<BF16, D>);
     }
 };
 
