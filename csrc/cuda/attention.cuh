@@ -389,7 +389,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 struct BwdParams {
     rlk_attention_tensor q, k, v, out, lse, dout, dq, dk, dv;
     Sequences seq;
-    int batch, heads_q, heads_kv, group, causal;
+    int heads_q, heads_kv, group, causal;
     float scale, scale_log2;
     float2 *stats;   /* [batch][heads_q][stats_pitch] {lse * log2(e), sum_d dout * out} */
     int stats_pitch; /* max_q_len rounded up to even: two rows are one 16-byte chunk */
@@ -431,27 +431,22 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_kernel(const BwdParams
     }
 }
 
-/* The grid launch_bwd lays out, decoded. A dK/dV CTA owns keys key0 .. key0 + keys_in - 1 of sequence
- * b and kv head kv_head and walks, for each query head of the group in increasing order, the 64-query
+/* The grid launch_bwd lays out, decoded. A dK/dV CTA (key tile, kv head, sequence) owns keys key0 ..
+ * key0 + keys_in - 1 and walks, for each query head of the group in increasing order, the 64-query
  * blocks qb_begin .. qb_begin + qb_count - 1 (counted from the sequence's first query) that can see
- * key0; the grid is one dimension, (kv head, sequence) fastest and the key tile slowest, so that the
- * causal tiles with the most query blocks (the first keys) of every sequence and head start first
- * (with the tile fastest, the heaviest tiles of the last heads started last and ran alone at the
- * end). A dQ CTA (head, row tile counted from the last: the causal tiles with the most keys start
+ * key0. A dQ CTA (head, row tile counted from the last: the causal tiles with the most keys start
  * first, sequence) owns query rows q0 .. q0 + rows_in - 1. Both false when the CTA has nothing to do. */
 struct KeyTile {
     SequenceRange range;
-    int b, kv_head, key0, keys_in, qb_begin, qb_count;
+    int kv_head, key0, keys_in, qb_begin, qb_count;
 };
 
 template <int ROWS>
 __device__ __forceinline__ bool key_tile(const BwdParams &p, KeyTile &t) {
-    const int head_seq = (int)(blockIdx.x % (unsigned)(p.heads_kv * p.batch));
-    t.kv_head = head_seq % p.heads_kv;
-    t.b = head_seq / p.heads_kv;
-    t.key0 = (int)(blockIdx.x / (unsigned)(p.heads_kv * p.batch)) * ROWS;
-    if (!load_sequence(p.seq, t.b, t.range)) return false;
+    if (!load_sequence(p.seq, blockIdx.z, t.range)) return false;
     const int q_len = t.range.q_len, k_len = t.range.k_len;
+    t.kv_head = blockIdx.y;
+    t.key0 = blockIdx.x * ROWS;
     if (t.key0 >= k_len) return false;
     t.keys_in = min(ROWS, k_len - t.key0);
     const int first_query = p.causal ? max(0, t.key0 - (k_len - q_len)) : 0;
@@ -631,7 +626,6 @@ BwdParams bwd_params(const rlk_attention_args *a) {
     p.dk = a->dk;
     p.dv = a->dv;
     p.seq = sequences(a);
-    p.batch = (int)a->batch;
     p.heads_q = (int)a->heads_q;
     p.heads_kv = (int)a->heads_kv;
     p.group = (int)(a->heads_q / a->heads_kv);
@@ -643,20 +637,20 @@ BwdParams bwd_params(const rlk_attention_args *a) {
     return p;
 }
 
-/* The backward's dK/dV kernel over (kv head, sequence; key tile) in one dimension and dQ kernel over
- * (head, row tile, sequence): KeyTile / QueryTile above decode it. Tiles is the backend's plan (ROWS keys or query rows
+/* The backward's dK/dV kernel over (key tile, kv head, sequence) and dQ kernel over (head, row tile,
+ * sequence): KeyTile / QueryTile above decode it. Tiles is the backend's plan (ROWS keys or query rows
  * per CTA, THREADS, DKDV_SMEM_BYTES, DQ_SMEM_BYTES). */
 template <class Tiles>
 int launch_bwd(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream, void (*dkdv)(BwdParams),
                void (*dq)(BwdParams)) {
     const int64_t row_tiles = (a->max_q_len + Tiles::ROWS - 1) / Tiles::ROWS;
-    const int64_t key_ctas = (a->max_k_len + Tiles::ROWS - 1) / Tiles::ROWS * a->heads_kv * a->batch;
-    if (row_tiles > 65535 || key_ctas > 0x7fffffff) return RLK_UNSUPPORTED;
+    if (row_tiles > 65535) return RLK_UNSUPPORTED;
     cudaError_t err = cudaSuccess;
     if (a->max_k_len > 0) {
         err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DKDV_SMEM_BYTES);
         if (err != cudaSuccess) return (int)err;
-        dkdv<<<(unsigned)key_ctas, Tiles::THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
+        dkdv<<<dim3((unsigned)((a->max_k_len + Tiles::ROWS - 1) / Tiles::ROWS), (unsigned)a->heads_kv, (unsigned)a->batch),
+               Tiles::THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
         err = cudaGetLastError();
         if (err != cudaSuccess) return (int)err;
     }

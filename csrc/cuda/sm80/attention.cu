@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(cons
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     KeyTile tile;
     if (!key_tile<BWD_ROWS>(p, tile)) return;
-    const int b = tile.b, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
+    const int b = blockIdx.z, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
     const int q_len = tile.range.q_len, k_len = tile.range.k_len;
     const int qb_begin = tile.qb_begin, qb_count = tile.qb_count, iters = p.group * qb_count;
     const int64_t q_row0 = tile.range.q_start, k_row0 = tile.range.k_start + key0;

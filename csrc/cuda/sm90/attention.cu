@@ -586,7 +586,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
     const int warp_in_wg = (tid >> 5) & 3;
     KeyTile tile;
     if (!key_tile<ROWS>(p, tile)) return;
-    const int b = tile.b, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
+    const int b = blockIdx.z, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
     const int q_len = tile.range.q_len, k_len = tile.range.k_len;
     const int qb_begin = tile.qb_begin, qb_count = __shfl_sync(0xffffffffu, tile.qb_count, 0);
     const int iters = p.group * qb_count;
