@@ -499,10 +499,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
 /* Both backward kernels: two consumer warpgroups and a producer warpgroup (setmaxnreg as the forward's),
  * one CTA per SM. Per block and warpgroup the same wgmma shapes as the forward: two m64n64 products
- * over head_dim (issue_scores: S and dP, or S^T and dP^T) into one commit group, the elementwise
- * P = exp2(S c - lse2) (0 where the query cannot see the key) and dS = P (dP - D) in registers, then
- * one or two m64n{d} products over the block's 64 rows with P or dS rounded to the dtype as the
- * register A operand (issue_pv).
+ * over head_dim (issue_scores: S and dP, or S^T and dP^T), each its own commit group, the elementwise
+ * P = exp2(S c - lse2) (0 where the query cannot see the key; formed while dP is still running) and
+ * dS = P (dP - D) in registers, then one or two m64n{d} products over the block's 64 rows with P or dS
+ * rounded to the dtype as the register A operand (issue_pv).
  *   attention_bwd_dkdv_kernel: a CTA owns 128 keys of one (sequence, kv head), 64 per warpgroup, K and V
  *     resident; the producer streams (Q, dO) of the 64-query blocks that can see them, for each query
  *     head of the group in increasing order and each block in increasing order. Per block: S^T = K Q^T,
