@@ -438,12 +438,13 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_kernel(const BwdParams
  * first, sequence) owns query rows q0 .. q0 + rows_in - 1. Both false when the CTA has nothing to do. */
 struct KeyTile {
     SequenceRange range;
-    int kv_head, key0, keys_in, qb_begin, qb_count;
+    int b, kv_head, key0, keys_in, qb_begin, qb_count;
 };
 
 template <int ROWS>
 __device__ __forceinline__ bool key_tile(const BwdParams &p, KeyTile &t) {
-    if (!load_sequence(p.seq, blockIdx.z, t.range)) return false;
+    t.b = blockIdx.z;
+    if (!load_sequence(p.seq, t.b, t.range)) return false;
     const int q_len = t.range.q_len, k_len = t.range.k_len;
     t.kv_head = blockIdx.y;
     t.key0 = blockIdx.x * ROWS;
@@ -457,14 +458,15 @@ __device__ __forceinline__ bool key_tile(const BwdParams &p, KeyTile &t) {
 
 struct QueryTile {
     SequenceRange range;
-    int head, q0, rows_in, causal;
+    int b, head, q0, rows_in, causal;
     /* the keys tile row r sees */
     __device__ __forceinline__ int len_of(int r) const { return visible_keys(q0 + r, range.q_len, range.k_len, causal); }
 };
 
 template <int ROWS>
 __device__ __forceinline__ bool query_tile(const BwdParams &p, QueryTile &t) {
-    if (!load_sequence(p.seq, blockIdx.z, t.range)) return false;
+    t.b = blockIdx.z;
+    if (!load_sequence(p.seq, t.b, t.range)) return false;
     t.head = blockIdx.x;
     t.q0 = (gridDim.y - 1 - blockIdx.y) * ROWS;
     t.causal = p.causal;

@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(cons
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     KeyTile tile;
     if (!key_tile<BWD_ROWS>(p, tile)) return;
-    const int b = blockIdx.z, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
+    const int b = tile.b, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
     const int q_len = tile.range.q_len, k_len = tile.range.k_len;
     const int qb_begin = tile.qb_begin, qb_count = tile.qb_count, iters = p.group * qb_count;
     const int64_t q_row0 = tile.range.q_start, k_row0 = tile.range.k_start + key0;
@@ -516,21 +516,20 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     QueryTile tile;
     if (!query_tile<BWD_ROWS>(p, tile)) return;
-    const int b = blockIdx.z, head = tile.head, kv_head = head / p.group, q0 = tile.q0, rows_in = tile.rows_in;
+    const int b = tile.b, head = tile.head, kv_head = head / p.group, q0 = tile.q0, rows_in = tile.rows_in;
     const int k_len = tile.range.k_len;
     const int64_t q_row0 = tile.range.q_start + q0, k_row0 = tile.range.k_start;
-    auto len_of = [&](int r) { return tile.len_of(r); };
-    const int block_end = (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
+    const int block_end = (tile.len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
     const int warp_row0 = warp * 16;
     const bool warp_has_rows = warp_row0 < rows_in;
-    const int warp_max_len = warp_has_rows ? len_of(min(warp_row0 + 15, rows_in - 1)) : 0;
-    const int warp_min_len = warp_has_rows ? len_of(warp_row0) : 0;
+    const int warp_max_len = warp_has_rows ? tile.len_of(min(warp_row0 + 15, rows_in - 1)) : 0;
+    const int warp_min_len = warp_has_rows ? tile.len_of(warp_row0) : 0;
     int row_len[2];
     float lse2[2], dsum[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = warp_row0 + (lane >> 2) + 8 * h;
-        row_len[h] = r < rows_in ? len_of(r) : 0;
+        row_len[h] = r < rows_in ? tile.len_of(r) : 0;
         const float2 sv = r < rows_in ? p.stats[((int64_t)b * p.heads_q + head) * p.stats_pitch + q0 + r]
                                       : make_float2(0.0f, 0.0f);
         lse2[h] = sv.x;

@@ -109,6 +109,11 @@ struct BoxSwizzle {
     }
 };
 
+/* Every kernel's shared memory: its mbarriers at the start, its tiles from the next TILE_ALIGN boundary. */
+__device__ __forceinline__ uint32_t first_tile(uint32_t barriers, int barrier_bytes) {
+    return (barriers + barrier_bytes + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
+}
+
 /* wgmma descriptors into these tiles, as SmemDesc bases that each wgmma advances by a byte offset.
  * K-major operand (Q as A, K as B of S = Q K^T): a 64-row slab of a tile whose boxes are BOX bytes
  * apart; k16 step kk of head_dim at box kk / 4, 32 bytes per k16 inside the 128-byte row; 8-row
@@ -275,7 +280,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     constexpr int WARPGROUPS = Tiles::WARPGROUPS;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t full_bar = smem_u32(smem_raw);
-    const uint32_t q_tile = (full_bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
+    const uint32_t q_tile = first_tile(full_bar, Tiles::BARRIER_BYTES);
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
 
@@ -570,6 +575,25 @@ __device__ __forceinline__ void block_score_grads(const float (&p)[BLOCK_N / 2],
             }
 }
 
+/* A backward CTA's two resident tiles: rows first_row .. first_row + ROWS - 1 of x and y (head `head` of
+ * sequence b; rows >= rows_in zero-filled), copied by the consumer warpgroups' THREADS threads and
+ * fenced for the tensor cores. */
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_resident_tiles(uint32_t x_tile, const rlk_attention_tensor &x, uint32_t y_tile,
+                                                    const rlk_attention_tensor &y, int b, int64_t first_row, int head,
+                                                    int rows_in, int tid) {
+    auto load = [&](uint32_t tile, const rlk_attention_tensor &t) {
+        load_rows_async<D, ROWS, THREADS, BoxSwizzle<ROWS>>(
+            tile, [&](int r) -> const uint16_t * { return r < rows_in ? row_address(t, b, first_row + r, head) : nullptr; },
+            t.data, tid);
+    };
+    load(x_tile, x);
+    load(y_tile, y);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+}
+
 template <bool BF16, int D>
 __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_kernel(const BwdParams p) {
     using Tiles = BwdTiles<D>;
@@ -577,7 +601,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
     constexpr int STAGE_BYTES = Tiles::DKDV_STAGE_BYTES;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t bar = smem_u32(smem_raw);
-    const uint32_t k_tile = (bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
+    const uint32_t k_tile = first_tile(bar, Tiles::BARRIER_BYTES);
     const uint32_t v_tile = k_tile + ROWS * D * 2, ring_tiles = v_tile + ROWS * D * 2;
     const uint32_t stats_area = ring_tiles + STAGES * STAGE_BYTES;
     if (stats_area + Tiles::STATS_BYTES > bar + Tiles::DKDV_SMEM_BYTES) __trap();
@@ -586,7 +610,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
     const int warp_in_wg = (tid >> 5) & 3;
     KeyTile tile;
     if (!key_tile<ROWS>(p, tile)) return;
-    const int b = blockIdx.z, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
+    const int b = tile.b, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
     const int q_len = tile.range.q_len, k_len = tile.range.k_len;
     const int qb_begin = tile.qb_begin, qb_count = __shfl_sync(0xffffffffu, tile.qb_count, 0);
     const int iters = p.group * qb_count;
@@ -594,17 +618,8 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
 
     const Ring<STAGES> ring{bar, bar + 8 * STAGES};
     if (tid == 0) ring.init(4 * Tiles::WARPGROUPS);
-    if (tid < 128 * Tiles::WARPGROUPS) {
-        load_rows_async<D, ROWS, 128 * Tiles::WARPGROUPS, BoxSwizzle<ROWS>>(
-            k_tile, [&](int r) -> const uint16_t * { return r < keys_in ? row_address(p.k, b, k_row0 + r, kv_head) : nullptr; },
-            p.k.data, tid);
-        load_rows_async<D, ROWS, 128 * Tiles::WARPGROUPS, BoxSwizzle<ROWS>>(
-            v_tile, [&](int r) -> const uint16_t * { return r < keys_in ? row_address(p.v, b, k_row0 + r, kv_head) : nullptr; },
-            p.v.data, tid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_proxy_async_smem();
-    }
+    if (tid < 128 * Tiles::WARPGROUPS)
+        load_resident_tiles<D, ROWS, 128 * Tiles::WARPGROUPS>(k_tile, p.k, v_tile, p.v, b, k_row0, kv_head, keys_in, tid);
     __syncthreads();
 
     auto query_block = [&](int it, int &head, int &q0, int &rows_in) {
@@ -726,7 +741,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
     constexpr int STAGE_BYTES = Tiles::DQ_STAGE_BYTES;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t bar = smem_u32(smem_raw);
-    const uint32_t q_tile = (bar + Tiles::BARRIER_BYTES + TILE_ALIGN - 1) & ~(uint32_t)(TILE_ALIGN - 1);
+    const uint32_t q_tile = first_tile(bar, Tiles::BARRIER_BYTES);
     const uint32_t do_tile = q_tile + ROWS * D * 2, ring_tiles = do_tile + ROWS * D * 2;
     if (ring_tiles + STAGES * STAGE_BYTES > bar + Tiles::DQ_SMEM_BYTES) __trap();
 
@@ -734,26 +749,15 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
     const int warp_in_wg = (tid >> 5) & 3;
     QueryTile tile;
     if (!query_tile<ROWS>(p, tile)) return;
-    const int b = blockIdx.z, head = tile.head, kv_head = head / p.group, q0 = tile.q0, rows_in = tile.rows_in;
+    const int b = tile.b, head = tile.head, kv_head = head / p.group, q0 = tile.q0, rows_in = tile.rows_in;
     const int k_len = tile.range.k_len;
     const int64_t q_row0 = tile.range.q_start + q0, k_row0 = tile.range.k_start;
-    auto len_of = [&](int r) { return tile.len_of(r); };
-    const int blocks = __shfl_sync(0xffffffffu, (len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N, 0);
+    const int blocks = __shfl_sync(0xffffffffu, (tile.len_of(rows_in - 1) + BLOCK_N - 1) / BLOCK_N, 0);
 
     const Ring<STAGES> ring{bar, bar + 8 * STAGES};
     if (tid == 0) ring.init(4 * Tiles::WARPGROUPS);
-    if (tid < 128 * Tiles::WARPGROUPS) {
-        load_rows_async<D, ROWS, 128 * Tiles::WARPGROUPS, BoxSwizzle<ROWS>>(
-            q_tile, [&](int r) -> const uint16_t * { return r < rows_in ? row_address(p.q, b, q_row0 + r, head) : nullptr; },
-            p.q.data, tid);
-        load_rows_async<D, ROWS, 128 * Tiles::WARPGROUPS, BoxSwizzle<ROWS>>(
-            do_tile,
-            [&](int r) -> const uint16_t * { return r < rows_in ? row_address(p.dout, b, q_row0 + r, head) : nullptr; },
-            p.dout.data, tid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_proxy_async_smem();
-    }
+    if (tid < 128 * Tiles::WARPGROUPS)
+        load_resident_tiles<D, ROWS, 128 * Tiles::WARPGROUPS>(q_tile, p.q, do_tile, p.dout, b, q_row0, head, rows_in, tid);
     __syncthreads();
 
     if (wg == Tiles::WARPGROUPS) {
@@ -777,8 +781,8 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
         const int wg_row0 = 64 * wg;
         const bool wg_has_rows = wg_row0 < rows_in;
-        const int wg_max_len = wg_has_rows ? len_of(min(wg_row0 + 63, rows_in - 1)) : 0;
-        const int wg_min_len = wg_has_rows ? len_of(wg_row0) : 0;
+        const int wg_max_len = wg_has_rows ? tile.len_of(min(wg_row0 + 63, rows_in - 1)) : 0;
+        const int wg_min_len = wg_has_rows ? tile.len_of(wg_row0) : 0;
         const int nb = __shfl_sync(0xffffffffu, (wg_max_len + BLOCK_N - 1) / BLOCK_N, 0); /* blocks it attends */
         const int thread_row = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
         int row_len[2];
@@ -786,7 +790,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = thread_row + 8 * h;
-            row_len[h] = r < rows_in ? len_of(r) : 0;
+            row_len[h] = r < rows_in ? tile.len_of(r) : 0;
             row_stat[h] = r < rows_in ? p.stats[((int64_t)b * p.heads_q + head) * p.stats_pitch + q0 + r]
                                       : make_float2(0.0f, 0.0f);
         }
