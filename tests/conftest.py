@@ -77,6 +77,24 @@ def attention_reference(q, k, v, causal=True, scale=None):
     return torch.einsum("bhij,bjhd->bihd", p, v), lse
 
 
+def rescale_profile_qkv(t, hq, hkv, d, dtype, device="cpu", seed=0):
+    """q, k, v [1, t, h, d] whose scores, for every row, follow one profile over the key position
+    that crosses the attention contract's rescale threshold (m moves only when a score beats it by
+    2^8) both ways: scaled scores (log2 units, default scale) rising ~9 a block over keys 0-199 (m
+    moves every block), flat to 699 (never), a jump of ~22 at 700 inside a segment, then rising
+    ~4.6 a block from 900 (m moves every other block)."""
+    j = torch.arange(t, dtype=torch.float64)
+    profile = torch.where(j < 200, 0.2 * j, torch.full_like(j, 40.0))
+    profile = torch.where(j >= 700, torch.full_like(j, 70.0), profile)
+    profile = torch.where(j >= 900, 70.0 + 0.1 * (j - 900), profile)
+    q = randn(1, t, hq, d, seed=seed, scale=0.1)
+    k = randn(1, t, hkv, d, seed=seed + 1, scale=0.1)
+    q[..., 0] = 4.0 * math.sqrt(d / 64)
+    k[0, :, :, 0] = profile[:, None].float()
+    v = randn(1, t, hkv, d, seed=seed + 2)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
 @pytest.fixture
 def nan_allocations(monkeypatch):
     """torch.empty / empty_like hand out NaN-filled memory while the test runs (what an

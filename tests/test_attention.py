@@ -10,7 +10,8 @@ import torch
 
 import rl_kernels
 from rl_kernels import kernel_registry
-from conftest import attention_reference, grads_of, leaves, pack_sequences, randn, rel_err
+from conftest import (attention_reference, grads_of, leaves, pack_sequences, randn, rel_err,
+                      rescale_profile_qkv)
 
 # rel_err of out against fp64 of the same rounded inputs: fp32 keeps ~1e-7 per element; bf16 / fp16
 # add the output rounding (and P rounded to the dtype for the PV product).
@@ -71,6 +72,28 @@ def test_fp64_forward_is_exact_to_rounding():
     scale = torch.tensor(24 ** -0.5, dtype=torch.float32).item()
     ref, ref_lse = attention_reference(q, k, v, scale=scale)
     assert rel_err(out, ref) <= 1e-13 and (lse - ref_lse).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rescale_threshold_both_ways_vs_fp64_and_decode_bitwise(dtype):
+    """Scores that move the contract's reference max every block, never, by a jump inside a segment
+    and every other block: out and lse vs fp64 (p up to 2^8 must not cost accuracy), decode and
+    chunked prefill rows bitwise equal the prefill's."""
+    t = 1100
+    q, k, v = rescale_profile_qkv(t, 4, 2, 64, dtype)
+    full, full_lse = rl_kernels.attention(q, k, v, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v)
+    # scores near 280 (lse ~35) cost fp32 digits in any implementation: bound by torch's own error
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        *(x.float().transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True).transpose(1, 2)
+    assert rel_err(full, ref) <= max(OUT_TOL[dtype], 1.5 * rel_err(sdpa, ref))
+    assert ((full_lse.double() - ref_lse).abs() / ref_lse.abs().clamp(min=1)).max() <= LSE_TOL
+    for p in (0, 63, 64, 127, 199, 200, 450, 699, 700, 701, 763, 899, 960, 1099):
+        out, lse = rl_kernels.attention_with_kvcache(q[:, p:p + 1], k, v, p + 1, return_lse=True)
+        assert torch.equal(out, full[:, p:p + 1]) and torch.equal(lse, full_lse[..., p:p + 1]), f"row {p}"
+    bounds = [0, 150, 650, 730, 1100]
+    chunks = [rl_kernels.attention(q[:, s:e], k[:, :e], v[:, :e]) for s, e in zip(bounds, bounds[1:])]
+    assert torch.equal(torch.cat(chunks, 1), full)
 
 
 def test_query_rows_past_the_keys_see_nothing():
@@ -733,6 +756,7 @@ def _bad(case):
         "return_lse": lambda: a(q, k, v, return_lse="yes"),
         "scale_str": lambda: a(q, k, v, softmax_scale="0.5"),
         "scale_inf": lambda: a(q, k, v, softmax_scale=math.inf),
+        "scale_negative": lambda: a(q, k, v, softmax_scale=-0.5),
         "overflow": lambda: kv(q[:, :1], cache, cache.clone(), i32([3, 7]), k_new=new, v_new=new),
         "overflow_int": lambda: kv(q[:, :1], cache, cache.clone(), 7, k_new=new, v_new=new),
         "seqlens_dtype": lambda: kv(q[:, :1], cache, cache.clone(), torch.tensor([3, 3])),
@@ -776,6 +800,7 @@ def _bad(case):
     ("return_lse", TypeError, r"return_lse must be a bool"),
     ("scale_str", TypeError, r"softmax_scale must be a real number"),
     ("scale_inf", ValueError, r"softmax_scale must be finite"),
+    ("scale_negative", ValueError, r"softmax_scale must be finite and >= 0"),
     ("overflow", ValueError, r"cache_seqlens: appending 2 keys overflows the cache of 8"),
     ("overflow_int", ValueError, r"cache_seqlens: appending 2 keys overflows the cache of 8"),
     ("seqlens_dtype", TypeError, r"cache_seqlens must be int32"),

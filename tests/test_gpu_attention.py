@@ -17,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import rl_kernels
 from rl_kernels import kernel_registry
-from conftest import HAS_CUDA, attention_reference, grads_of, leaves, pack_sequences, rel_err
+from conftest import (HAS_CUDA, attention_reference, grads_of, leaves, pack_sequences, rel_err,
+                      rescale_profile_qkv)
 
 pytestmark = pytest.mark.gpu
 
@@ -258,6 +259,31 @@ def test_decode_batch_1_vs_16_and_stale_nan(backend):
     clean_k, clean_v = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     clean = rl_kernels.attention_with_kvcache(q_last, clean_k, clean_v, seqlens + 1, backend=backend)
     assert torch.equal(clean, batched)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rescale_threshold_both_ways_vs_fp64_and_decode_bitwise(backend, dtype):
+    """Scores that move the contract's reference max every block, never, by a jump inside a segment
+    and every other block (tests/conftest.py): out no worse than SDPA's vs fp64, lse vs fp64, and
+    decode (split kernels) and chunked prefill rows bitwise equal the prefill's."""
+    t = 1100
+    q, k, v = rescale_profile_qkv(t, 32, 8, 128, dtype, device="cuda")
+    full, full_lse = rl_kernels.attention(q, k, v, return_lse=True, backend=backend)
+    ref, ref_lse = attention_reference(q, k, v)
+    err, sdpa_err = rel_err(full, ref), rel_err(sdpa(q, k, v, True), ref)
+    assert err <= max(SDPA_FACTOR * sdpa_err, FLOOR[dtype]), f"rel err {err:.3g} vs SDPA's {sdpa_err:.3g}"
+    assert ((full_lse.double() - ref_lse).abs() / ref_lse.abs().clamp(min=1)).max() <= 1e-5
+    rows = [0, 63, 64, 127, 199, 200, 450, 699, 700, 701, 763, 899, 960, 1099]
+    k_cache = torch.zeros(len(rows), t, 8, 128, dtype=dtype, device="cuda")
+    k_cache[:], v_cache = k[0], v[0].expand(len(rows), -1, -1, -1).clone()
+    out, lse = rl_kernels.attention_with_kvcache(q[0, rows].unsqueeze(1), k_cache, v_cache,
+                                                 i32([p + 1 for p in rows]), return_lse=True, backend=backend)
+    assert torch.equal(out[:, 0], full[0, rows]) and torch.equal(lse[..., 0], full_lse[0, :, rows].T)
+    bounds = [0, 150, 650, 730, 1100]
+    chunks = [rl_kernels.attention(q[:, s:e], k[:, :e], v[:, :e], backend=backend)
+              for s, e in zip(bounds, bounds[1:])]
+    assert torch.equal(torch.cat(chunks, 1), full)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

@@ -13,6 +13,8 @@
  * on CUDA, a host-mapped int32 flag the kernels set when a sequence's range is out of bounds (they
  * cannot be checked here without reading device memory).
  */
+#include <float.h>
+
 #include "common.h"
 
 #include "../ops/attention.h"
@@ -124,6 +126,16 @@ static int check_max_lengths(rlk_attention_args *a, long long max_q_len, long lo
     return 0;
 }
 
+/* The contract's m is a running max of the raw scores, which is the max of the scaled ones only for
+ * softmax_scale >= 0. */
+static int check_softmax_scale(double softmax_scale) {
+    if (!(softmax_scale >= 0.0 && softmax_scale <= FLT_MAX)) {
+        PyErr_Format(PyExc_ValueError, "softmax_scale: must be finite and >= 0, got %g", softmax_scale);
+        return -1;
+    }
+    return 0;
+}
+
 static int run_attention(const char *entry, rlk_caller call, int backend, unsigned long long stream,
                          unsigned long long bad_index_addr, const tensor_arg *q, rlk_attention_args *a) {
     if (rlk_backend_is_cuda(backend) && bad_index_addr == 0) {
@@ -171,6 +183,7 @@ PyObject *py_attention_fwd(PyObject *self, PyObject *args) {
         if (i != OUT && i != LSE)
             ok = tensor_arg_check_no_overlap(&t[OUT], &t[i]) == 0 && tensor_arg_check_no_overlap(&t[LSE], &t[i]) == 0;
     ok = ok && tensor_arg_check_no_overlap(&t[OUT], &t[LSE]) == 0;
+    ok = ok && check_softmax_scale(softmax_scale) == 0;
     if (ok) {
         a.causal = causal;
         a.softmax_scale = (float)softmax_scale;
@@ -216,6 +229,7 @@ PyObject *py_attention_bwd(PyObject *self, PyObject *args) {
         for (int j = 0; ok && j < COUNT; j++)
             if (j != i && (j < DQ || j > i)) ok = tensor_arg_check_no_overlap(&t[i], &t[j]) == 0;
     }
+    ok = ok && check_softmax_scale(softmax_scale) == 0;
     if (ok) {
         a.causal = causal;
         a.softmax_scale = (float)softmax_scale;

@@ -69,6 +69,7 @@ enum {
     SCRATCH_ALIGN = 64, /* bytes; every scratch array starts on a cache line */
 };
 
+static const float RESCALE_THRESHOLD = RLK_ATTENTION_RESCALE_THRESHOLD;
 static const float LOG2E_F = 0x1.715476p+0f; /* log2(e) rounded to fp32 */
 static const float LN2_F = 0x1.62e430p-1f;   /* ln(2) rounded to fp32 */
 static const double LOG2E = 0x1.71547652b82fep+0;
@@ -212,14 +213,17 @@ ALWAYS_INLINE void round_to_dtype(float *p, int64_t n, rlk_dtype dtype)
 }
 
 /* The contract's block update of one row's segment state (st, acc) with the n keys it sees of a
- * block: s their scores, values the block's values (n x d). p (BLOCK_N) and pv (d) are scratch. */
+ * block: s their scores, values the block's values (n x d). p (BLOCK_N) and pv (d) are scratch.
+ * st->m moves only when the block's max beats it by RESCALE_THRESHOLD (scaled units); else alpha = 1. */
 ALWAYS_INLINE void softmax_block_update(softmax_state *st, float *restrict acc, const float *restrict s, int64_t n,
                                         const float *restrict values, int64_t d, float c, rlk_dtype dtype,
                                         float *restrict p, float *restrict pv)
 {
     float block_max = -INFINITY;
     for (int64_t j = 0; j < n; j++) block_max = s[j] > block_max ? s[j] : block_max;
-    const float m_new = block_max > st->m ? block_max : st->m;
+    const float m_max = block_max > st->m ? block_max : st->m;
+    const int moves = st->m == -INFINITY || scaled_max(m_max, c) > st->ms + RESCALE_THRESHOLD;
+    const float m_new = moves ? m_max : st->m;
     const float ms_new = scaled_max(m_new, c);
     const float alpha = rescale_factor(st->m, st->ms, m_new, ms_new);
     float p_sum = 0.0f;
@@ -558,7 +562,9 @@ static void forward_row_f64(const rlk_attention_args *a, const sequence *s, int6
                 scores[j] = dot_f64(q, row_f64(&a->k, s->b, s->k_start + j0 + j, g), d);
                 block_max = scores[j] > block_max ? scores[j] : block_max;
             }
-            const double m_new = block_max > seg.m ? block_max : seg.m;
+            const double m_max = block_max > seg.m ? block_max : seg.m;
+            const int moves = seg.m == -INFINITY || scaled_max_f64(m_max, c) > seg.ms + RESCALE_THRESHOLD;
+            const double m_new = moves ? m_max : seg.m;
             const double ms_new = scaled_max_f64(m_new, c);
             const double alpha = rescale_factor_f64(seg.m, seg.ms, m_new, ms_new);
             memset(pv, 0, sizeof(double) * d);

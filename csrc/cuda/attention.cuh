@@ -38,6 +38,7 @@ constexpr int SEGMENT = RLK_ATTENTION_SEGMENT;
 constexpr int BLOCKS_PER_SEGMENT = SEGMENT / BLOCK_N;
 static_assert(SEGMENT % BLOCK_N == 0, "a segment is whole blocks");
 
+constexpr float RESCALE_THRESHOLD = RLK_ATTENTION_RESCALE_THRESHOLD;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr int SPLIT_ROWS = 64; /* rows of a split-schedule CTA: (query, head in group) pairs */
 
@@ -95,7 +96,7 @@ __device__ __forceinline__ float scaled(float m, float c) { return m == -INFINIT
 
 /* The softmax state of a thread's two rows of an MMA accumulator tile, row h = 0, 1 eight rows apart
  * (sm80: rows lane / 4 and + 8 of a warp's m16 tile; sm90: rows 16 w + lane / 4 and + 8 of warp w of
- * a warpgroup's m64 tile): running max m and running sum l. */
+ * a warpgroup's m64 tile): reference max m and running sum l. */
 struct RowPair {
     float m[2], l[2];
 };
@@ -127,8 +128,9 @@ __device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_l
 
 /* The contract's update of a RowPair by one key block, after masking, the two rows side by side (their
  * shuffles and sum chains overlap; each row's arithmetic is its own): per row h the block's max (this
- * thread's BLOCK_N / 4 scores by a balanced tree, exact in any order, then over the quad), the new m,
- * the rescale factor alpha[h], the scores turned into p in place and summed in column order then over
+ * thread's BLOCK_N / 4 scores by a balanced tree, exact in any order, then over the quad), the new m
+ * (the old one unless the max grew past it by more than RESCALE_THRESHOLD in scaled units), the
+ * rescale factor alpha[h] (exactly 1 while m stays), the scores turned into p in place and summed in column order then over
  * the quad, l = alpha l + sum. The accumulators are scaled by alpha afterwards (rescale_rows), before
  * P V adds onto them. s(h, j, e): row h's score at this thread's column pair j, element e; the
  * backends' fragment layouts differ, the arithmetic is this one. */
@@ -152,11 +154,12 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
         for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float m_old = st.m[h];
-        const float m_new = fmaxf(m_old, mx[h]);
+        const float m_old = st.m[h], ms_old = scaled(m_old, c);
+        const float m_max = fmaxf(m_old, mx[h]);
+        const bool moves = m_old == -INFINITY || scaled(m_max, c) > __fadd_rn(ms_old, RESCALE_THRESHOLD);
+        const float m_new = moves ? m_max : m_old;
         ms_new[h] = scaled(m_new, c);
-        alpha[h] = m_old == -INFINITY ? 0.0f
-                                      : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(scaled(m_old, c), ms_new[h])));
+        alpha[h] = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(ms_old, ms_new[h])));
         st.m[h] = m_new;
         sum[h] = 0.0f;
     }
@@ -180,8 +183,8 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
 
 /* The rows' D / 4 accumulators each scaled by its row's alpha (the contract's acc = alpha acc before
  * P V). Skipped when alpha is 1 in every row of the warp: x * 1 == x, so the bits are the same, and
- * after a row's first blocks its max rarely moves. o(h, j, e): row h's accumulator at column pair j,
- * element e. The whole warp calls it. */
+ * after a segment's first block a row's m moves only when a score beats it by RESCALE_THRESHOLD.
+ * o(h, j, e): row h's accumulator at column pair j, element e. The whole warp calls it. */
 template <int D, class Accs>
 __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], Accs o) {
     if (!__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;

@@ -27,19 +27,23 @@
  * Per query row and head, every backend computes (c = softmax_scale * log2(e), fp32 throughout):
  *   keys 0 .. L-1 are cut into SEGMENTs of RLK_ATTENTION_SEGMENT keys at absolute positions
  *   0, SEGMENT, 2 SEGMENT, ...; each segment into blocks of RLK_ATTENTION_BLOCK_N keys.
- *   A softmax state is (m, ms, l, acc[head_dim]): the running max m, ms = its scaled value, the
+ *   A softmax state is (m, ms, l, acc[head_dim]): the reference max m, ms = its scaled value, the
  *   running sum l and the unnormalized output acc. scaled(m) = (m == -inf) ? 0 : round(m * c).
  *   Per segment, from the empty state (m = -inf, ms = 0, l = 0, acc = 0), per block in increasing
  *   order:
  *     s_j    = q . k_j                  (keys >= L: s_j = -inf)
- *     m'     = max(m, max_j s_j);        ms' = scaled(m')
- *     alpha  = (m == -inf) ? 0 : exp2(ms - ms')        (exactly 1 when the max did not move)
- *     p_j    = exp2(fma(s_j, c, -ms'))                  (0 for s_j = -inf)
+ *     mb     = max(m, max_j s_j)
+ *     m'     = (m == -inf || scaled(mb) > ms + T) ? mb : m;   ms' = scaled(m')
+ *     alpha  = (m == -inf) ? 0 : exp2(ms - ms')        (exactly 1 when m did not move)
+ *     p_j    = exp2(fma(s_j, c, -ms'))                  (0 for s_j = -inf; at most ~2^T)
  *     l'     = alpha * l + sum_j p_j                    (p_j in fp32)
  *     acc'   = alpha * acc + sum_j round_dtype(p_j) * v_j
+ *   T = RLK_ATTENTION_RESCALE_THRESHOLD (ms + T rounded to fp32): m is a reference point, not
+ *   necessarily the max; it moves only when a score beats it by more than 2^T in p units, so
+ *   after a segment's first block alpha is almost always 1 and the rescale of acc is skipped.
  *   The segments' states are merged in increasing order into a row state (M, MS, Lsum, O) that
- *   starts empty, with the same update: a = (M == -inf) ? 0 : exp2(MS - MS'), b = (m_g == -inf) ?
- *   0 : exp2(ms_g - MS'), Lsum' = a Lsum + b l_g, O' = a O + b acc_g. Finally
+ *   starts empty: M' = max(M, m_g) (no threshold), a = (M == -inf) ? 0 : exp2(MS - MS'),
+ *   b = (m_g == -inf) ? 0 : exp2(ms_g - MS'), Lsum' = a Lsum + b l_g, O' = a O + b acc_g. Finally
  *   out = round_dtype(O * (1 / Lsum)) and lse = (MS + log2(Lsum)) * ln(2) (natural log units).
  *   A row with L == 0 gets out = 0, lse = -inf.
  *   The order of every sum inside a block and of the q . k products is the backend's, fixed; the
@@ -82,6 +86,7 @@ extern "C" {
 
 #define RLK_ATTENTION_BLOCK_N 64  /* keys per block */
 #define RLK_ATTENTION_SEGMENT 512 /* keys per segment (a multiple of RLK_ATTENTION_BLOCK_N) */
+#define RLK_ATTENTION_RESCALE_THRESHOLD 8.0f /* log2 units: m moves when a score beats it by 2^8 */
 
 typedef struct rlk_attention_tensor {
     void *data;
@@ -94,7 +99,7 @@ typedef struct rlk_attention_args {
     int64_t q_rows, k_rows;       /* rows of one batch entry's storage: q_start + q_len <= q_rows, ... */
     rlk_dtype dtype;
     int causal;
-    float softmax_scale;
+    float softmax_scale; /* >= 0 (the bindings refuse a negative one) */
     const int32_t *q_start, *q_len, *k_start, *k_len; /* [batch] each, on the tensors' device, or null */
     rlk_attention_tensor q, k, v, out, lse;           /* forward: reads q, k, v; writes out, lse */
     rlk_attention_tensor dout, dq, dk, dv;            /* backward: reads q, k, v, out, lse, dout */

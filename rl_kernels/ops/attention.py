@@ -226,8 +226,9 @@ def _scale(op, softmax_scale, d):
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
     scale = real_number(op, "softmax_scale", softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"{op}(): softmax_scale must be finite, got {scale}")
+    if not math.isfinite(scale) or scale < 0:
+        # the contract's running max is of the raw scores: the max of the scaled ones for scale >= 0
+        raise ValueError(f"{op}(): softmax_scale must be finite and >= 0, got {scale}")
     return scale
 
 
