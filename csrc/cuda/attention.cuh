@@ -130,10 +130,10 @@ __device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_l
  * shuffles and sum chains overlap; each row's arithmetic is its own): per row h the block's max (this
  * thread's BLOCK_N / 4 scores by a balanced tree, exact in any order, then over the quad), the new m
  * (the old one unless the max grew past it by more than RESCALE_THRESHOLD in scaled units), the
- * rescale factor alpha[h] (exactly 1 while m stays), the scores turned into p in place and summed in column order then over
- * the quad, l = alpha l + sum. The accumulators are scaled by alpha afterwards (rescale_rows), before
- * P V adds onto them. s(h, j, e): row h's score at this thread's column pair j, element e; the
- * backends' fragment layouts differ, the arithmetic is this one. */
+ * rescale factor alpha[h] (exactly 1 while m stays), the scores turned into p in place and summed
+ * (four chains, below) then over the quad, l = alpha l + sum. The accumulators are scaled by alpha
+ * afterwards (rescale_rows), before P V adds onto them. s(h, j, e): row h's score at this thread's
+ * column pair j, element e; the backends' fragment layouts differ, the arithmetic is this one. */
 template <class Scores>
 __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, float (&alpha)[2]) {
     float mx[2], ms_new[2], sum[2];
@@ -154,15 +154,19 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
         for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float m_old = st.m[h], ms_old = scaled(m_old, c);
-        const float m_max = fmaxf(m_old, mx[h]);
-        const bool moves = m_old == -INFINITY || scaled(m_max, c) > __fadd_rn(ms_old, RESCALE_THRESHOLD);
-        const float m_new = moves ? m_max : m_old;
-        ms_new[h] = scaled(m_new, c);
-        alpha[h] = m_old == -INFINITY ? 0.0f : (m_new == m_old ? 1.0f : exp2_approx(__fsub_rn(ms_old, ms_new[h])));
-        st.m[h] = m_new;
-        sum[h] = 0.0f;
+        /* selects, not branches: the exp2 runs whether or not m moved */
+        const bool empty = st.m[h] == -INFINITY;
+        const float ms_old = scaled(st.m[h], c);
+        const float m_max = fmaxf(st.m[h], mx[h]);
+        const bool moves = empty || scaled(m_max, c) > __fadd_rn(ms_old, RESCALE_THRESHOLD);
+        st.m[h] = moves ? m_max : st.m[h];
+        ms_new[h] = scaled(st.m[h], c);
+        const float rescale = exp2_approx(__fsub_rn(ms_old, ms_new[h]));
+        alpha[h] = empty ? 0.0f : (moves ? rescale : 1.0f);
     }
+    /* p summed in four chains per row (column pair parity x element), so that the adds do not wait
+     * on each other the whole block long; the chains are added pairwise, then over the quad */
+    float chain[2][4];
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
@@ -171,8 +175,12 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
             for (int e = 0; e < 2; ++e) {
                 const float p = exp2_approx(__fmaf_rn(s(h, j, e), c, -ms_new[h]));
                 s(h, j, e) = p;
-                sum[h] = __fadd_rn(sum[h], p);
+                float &link = chain[h][2 * (j & 1) + e];
+                link = j < 2 ? p : __fadd_rn(link, p);
             }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        sum[h] = __fadd_rn(__fadd_rn(chain[h][0], chain[h][1]), __fadd_rn(chain[h][2], chain[h][3]));
 #pragma unroll
     for (int x = 1; x <= 2; x *= 2)
 #pragma unroll
