@@ -121,7 +121,8 @@ __device__ __forceinline__ uint32_t first_tile(uint32_t barriers, int barrier_by
  * MN-major operand (V as B of P V: k = keys, n = head_dim): k16 step t = tile rows 16 t .. 16 t + 15,
  * 64-column boxes BLOCK_N * 128 bytes apart, 8-key groups 1024 bytes apart. */
 __device__ __forceinline__ SmemDesc k_major_desc(uint32_t rows) { return SmemDesc(rows, 16, 1024); }
-__device__ __forceinline__ SmemDesc mn_major_desc(uint32_t tile) { return SmemDesc(tile, BLOCK_N * 128, 1024); }
+template <int ROWS = BLOCK_N>
+__device__ __forceinline__ SmemDesc mn_major_desc(uint32_t tile) { return SmemDesc(tile, ROWS * 128, 1024); }
 
 template <uint32_t BOX>
 __device__ __forceinline__ uint32_t k_major_step(int kk) {
@@ -178,30 +179,32 @@ struct Ring {
  * S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero; q: the
  * warpgroup's 64 Q rows in a tile whose boxes are Q_BOX bytes apart; k: the block's K tile
  * (stage_bytes past the ring's). */
-template <bool BF16, int D, uint32_t Q_BOX>
-__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], const SmemDesc &q, const SmemDesc &k,
+template <bool BF16, int D, uint32_t Q_BOX, int N = BLOCK_N, int K_ROWS = N>
+__device__ __forceinline__ void issue_scores(float (&s)[N / 2], const SmemDesc &q, const SmemDesc &k,
                                              uint32_t stage_bytes) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_k16<BLOCK_N, BF16, 0, 0>(s, q.at(k_major_step<Q_BOX>(kk)),
-                                       k.at(stage_bytes + k_major_step<BLOCK_N * 128>(kk)), kk > 0);
+        wgmma_k16<N, BF16, 0, 0>(s, q.at(k_major_step<Q_BOX>(kk)), k.at(stage_bytes + k_major_step<K_ROWS * 128>(kk)),
+                                 kk > 0);
 }
 
-/* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments; v: the block's V
- * tile, stage_bytes past the ring's). */
-template <bool BF16, int D>
-__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], const SmemDesc &v,
+/* acc += round(P) V over key k16 steps FIRST .. FIRST + STEPS - 1 of the tile in order (pa: P's A
+ * fragments, one per k16 step; v: the tile's V, stage_bytes past the ring's). */
+template <bool BF16, int D, int FIRST = 0, int STEPS = BLOCK_N / 16, int PA>
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[PA][4], const SmemDesc &v,
                                          uint32_t stage_bytes) {
+    static_assert(FIRST + STEPS <= PA, "k16 steps past P's fragments");
 #pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], v.at(stage_bytes + t * 16 * 128), 1);
+    for (int t = FIRST; t < FIRST + STEPS; ++t)
+        wgmma_k16_rs<D, BF16, 1>(acc, pa[t], v.at(stage_bytes + t * 16 * 128), 1);
 }
 
-/* x (a 64 x 64 accumulator tile) rounded to the dtype as the A fragments of a product over its 64
+/* x (a 64 x 2X accumulator tile) rounded to the dtype as the A fragments of a product over its 2X
  * columns: k16 step t is the accumulator columns 16 t .. 16 t + 15, the register A fragment layout */
-template <bool BF16>
-__device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], uint32_t (&a)[BLOCK_N / 16][4]) {
+template <bool BF16, int X>
+__device__ __forceinline__ void to_a_fragments(const float (&x)[X], uint32_t (&a)[X / 8][4]) {
 #pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t)
+    for (int t = 0; t < X / 8; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) a[t][i] = pack_half2<BF16>(x[8 * t + 2 * i], x[8 * t + 2 * i + 1]);
 }
@@ -214,16 +217,17 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], ui
  * thread's two rows; masked: some row of the warpgroup cannot see the whole block. Accumulator layout
  * (wgmma): this thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e
  * in x[4 j + 2 h + e]. */
-__device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
+template <int X>
+__device__ __forceinline__ void block_scores(float (&s)[X], int block, int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&alpha)[2]) {
-    auto scores = [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; };
+    auto scores = [&](int h, int j, int e) -> float & { return s[block * (BLOCK_N / 2) + 4 * j + 2 * h + e]; };
     if (masked) mask_block(lane, key0, row_len, scores);
     update_rows(st, c, scores, alpha);
 }
 
-template <bool BF16, int D>
-__device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], const float (&alpha)[2],
-                                               float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4]) {
+template <bool BF16, int D, int X>
+__device__ __forceinline__ void block_operands(const float (&s)[X], const float (&alpha)[2], float (&acc)[D / 2],
+                                               uint32_t (&pa)[X / 8][4]) {
     rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
     to_a_fragments<BF16>(s, pa);
 }
@@ -242,18 +246,28 @@ struct FwdTiles {
     static constexpr int ROWS = 64 * WARPGROUPS;
     static constexpr int CONSUMER_THREADS = 128 * WARPGROUPS;
     static constexpr int THREADS = CONSUMER_THREADS + 128;
-    static constexpr int STAGES = SPLIT ? 3 : 4;
-    static constexpr int KV_BYTES = BLOCK_N * D * 2; /* one K or V block */
+    /* keys per ring stage: prefill two contract blocks (S as one m64n128 product, P V as one chain of
+     * 8 k16 steps when the second block leaves m in place), split one */
+    static constexpr int HALVES = SPLIT ? 1 : 2;
+    static constexpr int TILE_KEYS = HALVES * BLOCK_N;
+    static constexpr int KV_BYTES = TILE_KEYS * D * 2; /* one K or V tile */
     static constexpr int Q_BYTES = ROWS * D * 2;
-    static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
+    /* as many stages as fit beside them, at most 4 (prefill d = 128: 2) */
+    static constexpr int STAGES =
+        SPLIT ? 3 : (227 * 1024 - TILE_ALIGN - Q_BYTES - O_BYTES) / (2 * KV_BYTES) < 4
+                        ? (227 * 1024 - TILE_ALIGN - Q_BYTES - O_BYTES) / (2 * KV_BYTES)
+                        : 4;
+    static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;
+    static_assert(STAGES >= 2, "a ring of at least two stages");
+    static_assert(BLOCKS_PER_SEGMENT % HALVES == 0, "a stage never straddles a segment boundary");
     static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
     static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
     static constexpr int ENTRY_REGS = (65536 / (THREADS * MIN_CTAS)) & ~7;
-    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int PRODUCER_REGS = SPLIT ? 40 : 24;
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
     static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
 };
@@ -277,7 +291,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     attention_fwd_kernel(const FwdParams p) {
     using Tiles = FwdTiles<D, SPLIT>;
     constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
-    constexpr int WARPGROUPS = Tiles::WARPGROUPS;
+    constexpr int WARPGROUPS = Tiles::WARPGROUPS, HALVES = Tiles::HALVES, TILE_KEYS = Tiles::TILE_KEYS;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t full_bar = smem_u32(smem_raw);
     const uint32_t q_tile = first_tile(full_bar, Tiles::BARRIER_BYTES);
@@ -292,6 +306,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     FwdCta cta;
     if (!fwd_cta<ROWS, SPLIT>(p, cta)) return;
     const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
+    const int tiles = (blocks + HALVES - 1) / HALVES; /* ring items: TILE_KEYS keys from block_begin */
     const int64_t q_row0 = cta.range.q_start, k_row0 = cta.range.k_start;
 
     const Ring<STAGES> ring{full_bar, full_bar + 8 * STAGES};
@@ -319,13 +334,15 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int64_t thread_col = 8 * (ptid % (D / 8));
         const uint16_t *k_src = row_address(p.k, b, thread_row, cta.kv_head) + thread_col;
         const uint16_t *v_src = row_address(p.v, b, thread_row, cta.kv_head) + thread_col;
-        ring.produce(blocks, [&](int j, int s) {
+        ring.produce(tiles, [&](int j, int s) {
             const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
-            const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
-            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
-            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
-            k_src += BLOCK_N * p.k.row_stride;
-            v_src += BLOCK_N * p.v.row_stride;
+            const int keys_in = cta.range.k_len - cta.block_begin * BLOCK_N - j * TILE_KEYS;
+            load_thread_rows_async<D, TILE_KEYS, 128, BoxSwizzle<TILE_KEYS>>(dst, k_src, p.k.row_stride, keys_in,
+                                                                             p.k.data, ptid);
+            load_thread_rows_async<D, TILE_KEYS, 128, BoxSwizzle<TILE_KEYS>>(dst + KV_BYTES, v_src, p.v.row_stride,
+                                                                             keys_in, p.v.data, ptid);
+            k_src += TILE_KEYS * p.k.row_stride;
+            v_src += TILE_KEYS * p.v.row_stride;
         });
     } else {
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of the tile */
@@ -358,19 +375,26 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
         }
         const SmemDesc q_desc = k_major_desc(q_tile + wg_row0 * 128);
-        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc(kv_ring + KV_BYTES);
-        float s[BLOCK_N / 2], alpha[2];
-        uint32_t pa[BLOCK_N / 16][4];
+        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc<TILE_KEYS>(kv_ring + KV_BYTES);
+        float s[TILE_KEYS / 2], alpha[HALVES][2];
+        uint32_t pa[TILE_KEYS / 16][4];
 #pragma unroll
-        for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.0f;
+        for (int i = 0; i < TILE_KEYS / 2; ++i) s[i] = 0.0f;
 #pragma unroll
-        for (int t = 0; t < BLOCK_N / 16; ++t)
+        for (int t = 0; t < TILE_KEYS / 16; ++t)
 #pragma unroll
             for (int i = 0; i < 4; ++i) pa[t][i] = 0u;
+        /* the tiles it attends; of tile t, the blocks it attends (all, or the first of its last tile) */
+        const int nt = (nb + HALVES - 1) / HALVES;
+        auto blocks_in = [&](int t) { return min(HALVES, nb - t * HALVES); };
+        /* the first k16 step of tile t's P V still to issue (BLOCK_N / 16 once its first block's ran) */
+        int pv_first = 0;
+        /* some row's m moved at the tile's second block (alpha != 1 on a non-empty state) */
+        bool second_rescales = false;
 
-        /* turn t: wait for block t (t < blocks), issue, wait for the wgmmas, release block t - 1 */
+        /* turn t: wait for tile t (t < tiles), issue, wait for the wgmmas, release tile t - 1 */
         auto wait_full = [&](int t) {
-            if (t < blocks) ring.wait_full(t);
+            if (t < tiles) ring.wait_full(t);
         };
         auto release = [&](int t) {
             if (t >= 1) ring.release(t - 1, lane);
@@ -381,14 +405,64 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             fence_accumulators(acc);
             fence_accumulators(s);
 #pragma unroll
-            for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
+            for (int i = 0; i < TILE_KEYS / 16; ++i) fence_operands(pa[i]);
         };
+        auto issue_s = [&](int t) {
+#pragma unroll
+            for (int i = 0; i < HALVES; ++i)
+                issue_scores<BF16, D, ROWS * 128, BLOCK_N, TILE_KEYS>(
+                        *reinterpret_cast<float (*)[BLOCK_N / 2]>(s + i * (BLOCK_N / 2)), q_desc, k_desc,
+                        stage_bytes(t) + i * BLOCK_N * 128);
+        };
+        /* P V of tile t: one chain over its blocks' k16 steps, from pv_first */
+        auto issue_pv_of = [&](int t) {
+            constexpr int STEPS = BLOCK_N / 16;
+            if constexpr (HALVES == 1) issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t));
+            else if (pv_first > 0) issue_pv<BF16, D, STEPS, STEPS>(acc, pa, v_desc, stage_bytes(t));
+            else if (blocks_in(t) == HALVES) issue_pv<BF16, D, 0, HALVES * STEPS>(acc, pa, v_desc, stage_bytes(t));
+            else issue_pv<BF16, D, 0, STEPS>(acc, pa, v_desc, stage_bytes(t));
+        };
+        /* the contract's updates of tile t's blocks, in order */
         auto scores = [&](int t) {
-            const int key0 = (cta.block_begin + t) * BLOCK_N;
-            block_scores(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha);
+            const int key0 = (cta.block_begin + t * HALVES) * BLOCK_N;
+            block_scores(s, 0, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha[0]);
+            second_rescales = false;
+            if constexpr (HALVES > 1) {
+                if (blocks_in(t) > 1) {
+                    const float m_before[2] = {seg.m[0], seg.m[1]};
+                    const int key1 = key0 + BLOCK_N;
+                    block_scores(s, 1, lane, key1, row_len, key1 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha[1]);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) second_rescales |= alpha[1][h] != 1.0f && m_before[h] != -INFINITY;
+                }
+            }
         };
-        /* prefill: block t starts a segment, so the one before it ended one */
-        auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % BLOCKS_PER_SEGMENT == 0; };
+        /* once the P V before has landed: acc = alpha acc for the first block, P rounded; a tile whose
+         * second block moved some row's m runs its first block's P V now and rescales acc by the
+         * second block's alpha (the contract's order), leaving the second block's P V for the next
+         * turn; otherwise that alpha is 1 (or acc is still zero) and both run as one chain */
+        auto operands = [&](int t) {
+            block_operands<BF16, D>(s, alpha[0], acc, pa);
+            pv_first = 0;
+            if constexpr (HALVES > 1) {
+                /* broadcast so that the compiler knows the branch warp-uniform (no serialized wgmmas) */
+                const bool split_pv = __shfl_sync(0xffffffffu, warpgroup_any(second_rescales, 1 + wg), 0);
+                if (blocks_in(t) == HALVES && split_pv) {
+                    fence_registers();
+                    wgmma_fence();
+                    issue_pv<BF16, D, 0, BLOCK_N / 16>(acc, pa, v_desc, stage_bytes(t));
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_registers();
+                    rescale_rows<D>(alpha[1], [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
+                    pv_first = BLOCK_N / 16;
+                }
+            }
+        };
+        /* prefill: tile t starts a segment, so the one before it ended one */
+        auto starts_segment = [&](int t) {
+            return !SPLIT && (cta.block_begin + t * HALVES) % BLOCKS_PER_SEGMENT == 0;
+        };
         /* prefill: merges an ended segment (its m and l in `ended`, its acc) into the row state; acc
          * restarts from zero */
         auto merge_ended = [&](const RowPair &ended) {
@@ -416,26 +490,26 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         };
 
         int t = 0;
-        if (nb > 0) {
-            /* turn 0: S of block 0 */
+        if (nt > 0) {
+            /* turn 0: S of tile 0 */
             wait_full(0);
             fence_registers();
             wgmma_fence();
-            issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(0));
+            issue_s(0);
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers();
             scores(0);
-            block_operands<BF16, D>(s, alpha, acc, pa);
-            /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
+            operands(0);
+            /* turn t: S of tile t, then P V of tile t - 1 in a second group, so that tile t's
              * softmax runs while that P V is on the tensor cores */
-            for (t = 1; t < nb; ++t) {
+            for (t = 1; t < nt; ++t) {
                 wait_full(t);
                 fence_registers();
                 wgmma_fence();
-                issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(t));
+                issue_s(t);
                 wgmma_commit();
-                issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1));
+                issue_pv_of(t - 1);
                 wgmma_commit();
                 wgmma_wait<1>();
                 fence_accumulators(s);
@@ -447,22 +521,22 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 fence_registers();
                 release(t);
                 if (new_segment) merge_ended(ended);
-                block_operands<BF16, D>(s, alpha, acc, pa);
+                operands(t);
             }
-            /* turn nb: P V of the last block */
-            wait_full(nb);
+            /* turn nt: P V of the last tile */
+            wait_full(nt);
             fence_registers();
             wgmma_fence();
-            issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1));
+            issue_pv_of(nt - 1);
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers();
-            release(nb);
+            release(nt);
             merge_ended(seg);
-            t = nb + 1;
+            t = nt + 1;
         }
-        /* the blocks its rows cannot see: keep the barriers' phases in step */
-        for (; t <= blocks; ++t) {
+        /* the tiles its rows cannot see: keep the barriers' phases in step */
+        for (; t <= tiles; ++t) {
             wait_full(t);
             release(t);
         }
