@@ -146,22 +146,25 @@ struct Ring {
         }
     }
     /* producer warpgroup: for j < count, waits until stage j % STAGES is free, issues load(j, stage)
-     * (this thread's cp.async copies), and once item j - 1's copies have landed (cp.async.wait_group,
-     * then fence.proxy.async so the tensor cores see them) marks that item full */
+     * (this thread's cp.async copies), and once item j - LAG's copies have landed (cp.async.wait_group,
+     * then fence.proxy.async so the tensor cores see them) marks that item full. LAG = 1 keeps the
+     * copies of two items in flight; with two stages it would deadlock (item j + 1's stage frees only
+     * once the consumers have waited for item j), so there LAG = 0. */
     template <class Load>
     __device__ __forceinline__ void produce(int count, Load load) const {
+        constexpr int LAG = STAGES > 2 ? 1 : 0;
         for (int j = 0; j < count; ++j) {
             const int s = j % STAGES;
             mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
             load(j, s);
             cp_async_commit();
-            if (j > 0) {
-                cp_async_wait<1>();
+            if (j >= LAG) {
+                cp_async_wait<LAG>();
                 fence_proxy_async_smem();
-                mbar_arrive(full_bar + 8 * ((j - 1) % STAGES));
+                mbar_arrive(full_bar + 8 * ((j - LAG) % STAGES));
             }
         }
-        if (count > 0) {
+        if (LAG > 0 && count > 0) {
             cp_async_wait<0>();
             fence_proxy_async_smem();
             mbar_arrive(full_bar + 8 * ((count - 1) % STAGES));
@@ -267,7 +270,7 @@ struct FwdTiles {
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
     static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
     static constexpr int ENTRY_REGS = (65536 / (THREADS * MIN_CTAS)) & ~7;
-    static constexpr int PRODUCER_REGS = SPLIT ? 40 : 24;
+    static constexpr int PRODUCER_REGS = 40;
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
     static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
 };
