@@ -146,25 +146,24 @@ struct Ring {
         }
     }
     /* producer warpgroup: for j < count, waits until stage j % STAGES is free, issues load(j, stage)
-     * (this thread's cp.async copies), and once item j - LAG's copies have landed (cp.async.wait_group,
-     * then fence.proxy.async so the tensor cores see them) marks that item full. LAG = 1 keeps the
-     * copies of two items in flight; with two stages it would deadlock (item j + 1's stage frees only
-     * once the consumers have waited for item j), so there LAG = 0. */
+     * (this thread's cp.async copies), and once item j - 1's copies have landed (cp.async.wait_group,
+     * then fence.proxy.async so the tensor cores see them) marks that item full. Item j - 1 is marked
+     * full only once item j's stage is free, so a consumer may hold at most STAGES - 2 items while it
+     * waits for the next one (else they wait for each other). */
     template <class Load>
     __device__ __forceinline__ void produce(int count, Load load) const {
-        constexpr int LAG = STAGES > 2 ? 1 : 0;
         for (int j = 0; j < count; ++j) {
             const int s = j % STAGES;
             mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
             load(j, s);
             cp_async_commit();
-            if (j >= LAG) {
-                cp_async_wait<LAG>();
+            if (j > 0) {
+                cp_async_wait<1>();
                 fence_proxy_async_smem();
-                mbar_arrive(full_bar + 8 * ((j - LAG) % STAGES));
+                mbar_arrive(full_bar + 8 * ((j - 1) % STAGES));
             }
         }
-        if (LAG > 0 && count > 0) {
+        if (count > 0) {
             cp_async_wait<0>();
             fence_proxy_async_smem();
             mbar_arrive(full_bar + 8 * ((count - 1) % STAGES));
@@ -253,18 +252,14 @@ struct FwdTiles {
      * 8 k16 steps when the second block leaves m in place), split one */
     static constexpr int HALVES = SPLIT ? 1 : 2;
     static constexpr int TILE_KEYS = HALVES * BLOCK_N;
-    static constexpr int KV_BYTES = TILE_KEYS * D * 2; /* one K or V tile */
+    static constexpr int KV_BYTES = TILE_KEYS * D * 2; /* one K or V tile: one ring item */
     static constexpr int Q_BYTES = ROWS * D * 2;
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
-    /* as many stages as fit beside them, at most 4 (prefill d = 128: 2) */
-    static constexpr int STAGES =
-        SPLIT ? 3 : (227 * 1024 - TILE_ALIGN - Q_BYTES - O_BYTES) / (2 * KV_BYTES) < 4
-                        ? (227 * 1024 - TILE_ALIGN - Q_BYTES - O_BYTES) / (2 * KV_BYTES)
-                        : 4;
-    static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;
-    static_assert(STAGES >= 2, "a ring of at least two stages");
+    /* ring items: K of tile j, then V of tile j; prefill 4 (128 KB at d = 128), split 6 */
+    static constexpr int STAGES = SPLIT ? 6 : 4;
+    static constexpr int RING_BYTES = STAGES * KV_BYTES;
     static_assert(BLOCKS_PER_SEGMENT % HALVES == 0, "a stage never straddles a segment boundary");
     static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
@@ -273,6 +268,7 @@ struct FwdTiles {
     static constexpr int PRODUCER_REGS = 40;
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
     static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
+    static_assert(SMEM_BYTES * MIN_CTAS <= 227 * 1024, "shared memory of MIN_CTAS CTAs per SM");
 };
 
 /* Pipeline, per CTA (blocks: the CTA's 64-key blocks, relative index j):
@@ -337,15 +333,18 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int64_t thread_col = 8 * (ptid % (D / 8));
         const uint16_t *k_src = row_address(p.k, b, thread_row, cta.kv_head) + thread_col;
         const uint16_t *v_src = row_address(p.v, b, thread_row, cta.kv_head) + thread_col;
-        ring.produce(tiles, [&](int j, int s) {
-            const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
-            const int keys_in = cta.range.k_len - cta.block_begin * BLOCK_N - j * TILE_KEYS;
-            load_thread_rows_async<D, TILE_KEYS, 128, BoxSwizzle<TILE_KEYS>>(dst, k_src, p.k.row_stride, keys_in,
-                                                                             p.k.data, ptid);
-            load_thread_rows_async<D, TILE_KEYS, 128, BoxSwizzle<TILE_KEYS>>(dst + KV_BYTES, v_src, p.v.row_stride,
-                                                                             keys_in, p.v.data, ptid);
-            k_src += TILE_KEYS * p.k.row_stride;
-            v_src += TILE_KEYS * p.v.row_stride;
+        ring.produce(2 * tiles, [&](int item, int s) {
+            const uint32_t dst = kv_ring + s * KV_BYTES;
+            const int keys_in = cta.range.k_len - cta.block_begin * BLOCK_N - (item >> 1) * TILE_KEYS;
+            if (item & 1) {
+                load_thread_rows_async<D, TILE_KEYS, 128, BoxSwizzle<TILE_KEYS>>(dst, v_src, p.v.row_stride, keys_in,
+                                                                                 p.v.data, ptid);
+                v_src += TILE_KEYS * p.v.row_stride;
+            } else {
+                load_thread_rows_async<D, TILE_KEYS, 128, BoxSwizzle<TILE_KEYS>>(dst, k_src, p.k.row_stride, keys_in,
+                                                                                 p.k.data, ptid);
+                k_src += TILE_KEYS * p.k.row_stride;
+            }
         });
     } else {
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of the tile */
@@ -378,7 +377,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
         }
         const SmemDesc q_desc = k_major_desc(q_tile + wg_row0 * 128);
-        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc<TILE_KEYS>(kv_ring + KV_BYTES);
+        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc<TILE_KEYS>(kv_ring);
         float s[TILE_KEYS / 2], alpha[HALVES][2];
         uint32_t pa[TILE_KEYS / 16][4];
 #pragma unroll
@@ -395,14 +394,15 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         /* some row's m moved at the tile's second block (alpha != 1 on a non-empty state) */
         bool second_rescales = false;
 
-        /* turn t: wait for tile t (t < tiles), issue, wait for the wgmmas, release tile t - 1 */
-        auto wait_full = [&](int t) {
-            if (t < tiles) ring.wait_full(t);
+        /* ring items: K of tile t is item 2 t, released once S has landed; V of tile t is item 2 t + 1,
+         * released once P V has landed */
+        auto k_item = [](int t) { return 2 * t; };
+        auto v_item = [](int t) { return 2 * t + 1; };
+        auto wait_full = [&](int item) {
+            if (item < 2 * tiles) ring.wait_full(item);
         };
-        auto release = [&](int t) {
-            if (t >= 1) ring.release(t - 1, lane);
-        };
-        auto stage_bytes = [&](int t) { return (uint32_t)((t % STAGES) * 2 * KV_BYTES); };
+        auto release = [&](int item) { ring.release(item, lane); };
+        auto stage_bytes = [&](int item) { return (uint32_t)((item % STAGES) * KV_BYTES); };
         /* keeps the registers of in-flight wgmmas (pa too: P V reads it) live and in place */
         auto fence_registers = [&]() {
             fence_accumulators(acc);
@@ -415,15 +415,16 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             for (int i = 0; i < HALVES; ++i)
                 issue_scores<BF16, D, ROWS * 128, BLOCK_N, TILE_KEYS>(
                         *reinterpret_cast<float (*)[BLOCK_N / 2]>(s + i * (BLOCK_N / 2)), q_desc, k_desc,
-                        stage_bytes(t) + i * BLOCK_N * 128);
+                        stage_bytes(k_item(t)) + i * BLOCK_N * 128);
         };
         /* P V of tile t: one chain over its blocks' k16 steps, from pv_first */
         auto issue_pv_of = [&](int t) {
             constexpr int STEPS = BLOCK_N / 16;
-            if constexpr (HALVES == 1) issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t));
-            else if (pv_first > 0) issue_pv<BF16, D, STEPS, STEPS>(acc, pa, v_desc, stage_bytes(t));
-            else if (blocks_in(t) == HALVES) issue_pv<BF16, D, 0, HALVES * STEPS>(acc, pa, v_desc, stage_bytes(t));
-            else issue_pv<BF16, D, 0, STEPS>(acc, pa, v_desc, stage_bytes(t));
+            const uint32_t v_bytes = stage_bytes(v_item(t));
+            if constexpr (HALVES == 1) issue_pv<BF16, D>(acc, pa, v_desc, v_bytes);
+            else if (pv_first > 0) issue_pv<BF16, D, STEPS, STEPS>(acc, pa, v_desc, v_bytes);
+            else if (blocks_in(t) == HALVES) issue_pv<BF16, D, 0, HALVES * STEPS>(acc, pa, v_desc, v_bytes);
+            else issue_pv<BF16, D, 0, STEPS>(acc, pa, v_desc, v_bytes);
         };
         /* the contract's updates of tile t's blocks, in order */
         auto scores = [&](int t) {
@@ -451,9 +452,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 /* broadcast so that the compiler knows the branch warp-uniform (no serialized wgmmas) */
                 const bool split_pv = __shfl_sync(0xffffffffu, warpgroup_any(second_rescales, 1 + wg), 0);
                 if (blocks_in(t) == HALVES && split_pv) {
+                    wait_full(v_item(t));
                     fence_registers();
                     wgmma_fence();
-                    issue_pv<BF16, D, 0, BLOCK_N / 16>(acc, pa, v_desc, stage_bytes(t));
+                    issue_pv<BF16, D, 0, BLOCK_N / 16>(acc, pa, v_desc, stage_bytes(v_item(t)));
                     wgmma_commit();
                     wgmma_wait<0>();
                     fence_registers();
@@ -495,19 +497,21 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         int t = 0;
         if (nt > 0) {
             /* turn 0: S of tile 0 */
-            wait_full(0);
+            wait_full(k_item(0));
             fence_registers();
             wgmma_fence();
             issue_s(0);
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers();
+            release(k_item(0));
             scores(0);
             operands(0);
             /* turn t: S of tile t, then P V of tile t - 1 in a second group, so that tile t's
              * softmax runs while that P V is on the tensor cores */
             for (t = 1; t < nt; ++t) {
-                wait_full(t);
+                wait_full(k_item(t));
+                wait_full(v_item(t - 1));
                 fence_registers();
                 wgmma_fence();
                 issue_s(t);
@@ -516,33 +520,36 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 wgmma_commit();
                 wgmma_wait<1>();
                 fence_accumulators(s);
+                release(k_item(t));
                 const RowPair ended = seg;
                 const bool new_segment = starts_segment(t);
                 if (new_segment) set_empty(seg);
                 scores(t);
                 wgmma_wait<0>();
                 fence_registers();
-                release(t);
+                release(v_item(t - 1));
                 if (new_segment) merge_ended(ended);
                 operands(t);
             }
             /* turn nt: P V of the last tile */
-            wait_full(nt);
+            wait_full(v_item(nt - 1));
             fence_registers();
             wgmma_fence();
             issue_pv_of(nt - 1);
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers();
-            release(nt);
+            release(v_item(nt - 1));
             merge_ended(seg);
-            t = nt + 1;
+            t = nt;
         }
-        /* the tiles its rows cannot see: keep the barriers' phases in step */
-        for (; t <= tiles; ++t) {
-            wait_full(t);
-            release(t);
-        }
+        /* the tiles its rows cannot see: wait for and release them too, so the barriers' phases stay
+         * in step */
+        for (; t < tiles; ++t)
+            for (int item = k_item(t); item <= v_item(t); ++item) {
+                wait_full(item);
+                release(item);
+            }
 
         const int col = 2 * (lane & 3);
 #pragma unroll
