@@ -121,8 +121,7 @@ __device__ __forceinline__ uint32_t first_tile(uint32_t barriers, int barrier_by
  * MN-major operand (V as B of P V: k = keys, n = head_dim): k16 step t = tile rows 16 t .. 16 t + 15,
  * 64-column boxes BLOCK_N * 128 bytes apart, 8-key groups 1024 bytes apart. */
 __device__ __forceinline__ SmemDesc k_major_desc(uint32_t rows) { return SmemDesc(rows, 16, 1024); }
-template <int ROWS = BLOCK_N>
-__device__ __forceinline__ SmemDesc mn_major_desc(uint32_t tile) { return SmemDesc(tile, ROWS * 128, 1024); }
+__device__ __forceinline__ SmemDesc mn_major_desc(uint32_t tile) { return SmemDesc(tile, BLOCK_N * 128, 1024); }
 
 template <uint32_t BOX>
 __device__ __forceinline__ uint32_t k_major_step(int kk) {
@@ -147,9 +146,7 @@ struct Ring {
     }
     /* producer warpgroup: for j < count, waits until stage j % STAGES is free, issues load(j, stage)
      * (this thread's cp.async copies), and once item j - 1's copies have landed (cp.async.wait_group,
-     * then fence.proxy.async so the tensor cores see them) marks that item full. Item j - 1 is marked
-     * full only once item j's stage is free, so a consumer may hold at most STAGES - 2 items while it
-     * waits for the next one (else they wait for each other). */
+     * then fence.proxy.async so the tensor cores see them) marks that item full */
     template <class Load>
     __device__ __forceinline__ void produce(int count, Load load) const {
         for (int j = 0; j < count; ++j) {
@@ -181,32 +178,30 @@ struct Ring {
  * S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero; q: the
  * warpgroup's 64 Q rows in a tile whose boxes are Q_BOX bytes apart; k: the block's K tile
  * (stage_bytes past the ring's). */
-template <bool BF16, int D, uint32_t Q_BOX, int N = BLOCK_N, int K_ROWS = N>
-__device__ __forceinline__ void issue_scores(float (&s)[N / 2], const SmemDesc &q, const SmemDesc &k,
+template <bool BF16, int D, uint32_t Q_BOX>
+__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], const SmemDesc &q, const SmemDesc &k,
                                              uint32_t stage_bytes) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_k16<N, BF16, 0, 0>(s, q.at(k_major_step<Q_BOX>(kk)), k.at(stage_bytes + k_major_step<K_ROWS * 128>(kk)),
-                                 kk > 0);
+        wgmma_k16<BLOCK_N, BF16, 0, 0>(s, q.at(k_major_step<Q_BOX>(kk)),
+                                       k.at(stage_bytes + k_major_step<BLOCK_N * 128>(kk)), kk > 0);
 }
 
-/* acc += round(P) V over key k16 steps FIRST .. FIRST + STEPS - 1 of the tile in order (pa: P's A
- * fragments, one per k16 step; v: the tile's V, stage_bytes past the ring's). */
-template <bool BF16, int D, int FIRST = 0, int STEPS = BLOCK_N / 16, int PA>
-__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[PA][4], const SmemDesc &v,
+/* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments; v: the block's V
+ * tile, stage_bytes past the ring's). */
+template <bool BF16, int D>
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], const SmemDesc &v,
                                          uint32_t stage_bytes) {
-    static_assert(FIRST + STEPS <= PA, "k16 steps past P's fragments");
 #pragma unroll
-    for (int t = FIRST; t < FIRST + STEPS; ++t)
-        wgmma_k16_rs<D, BF16, 1>(acc, pa[t], v.at(stage_bytes + t * 16 * 128), 1);
+    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], v.at(stage_bytes + t * 16 * 128), 1);
 }
 
-/* x (a 64 x 2X accumulator tile) rounded to the dtype as the A fragments of a product over its 2X
+/* x (a 64 x 64 accumulator tile) rounded to the dtype as the A fragments of a product over its 64
  * columns: k16 step t is the accumulator columns 16 t .. 16 t + 15, the register A fragment layout */
-template <bool BF16, int X>
-__device__ __forceinline__ void to_a_fragments(const float (&x)[X], uint32_t (&a)[X / 8][4]) {
+template <bool BF16>
+__device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], uint32_t (&a)[BLOCK_N / 16][4]) {
 #pragma unroll
-    for (int t = 0; t < X / 8; ++t)
+    for (int t = 0; t < BLOCK_N / 16; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) a[t][i] = pack_half2<BF16>(x[8 * t + 2 * i], x[8 * t + 2 * i + 1]);
 }
@@ -219,17 +214,16 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[X], uint32_t (&a
  * thread's two rows; masked: some row of the warpgroup cannot see the whole block. Accumulator layout
  * (wgmma): this thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e
  * in x[4 j + 2 h + e]. */
-template <int X>
-__device__ __forceinline__ void block_scores(float (&s)[X], int block, int lane, int key0, const int (&row_len)[2],
+__device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&alpha)[2]) {
-    auto scores = [&](int h, int j, int e) -> float & { return s[block * (BLOCK_N / 2) + 4 * j + 2 * h + e]; };
+    auto scores = [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; };
     if (masked) mask_block(lane, key0, row_len, scores);
     update_rows(st, c, scores, alpha);
 }
 
-template <bool BF16, int D, int X>
-__device__ __forceinline__ void block_operands(const float (&s)[X], const float (&alpha)[2], float (&acc)[D / 2],
-                                               uint32_t (&pa)[X / 8][4]) {
+template <bool BF16, int D>
+__device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], const float (&alpha)[2],
+                                               float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4]) {
     rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
     to_a_fragments<BF16>(s, pa);
 }
@@ -248,19 +242,13 @@ struct FwdTiles {
     static constexpr int ROWS = 64 * WARPGROUPS;
     static constexpr int CONSUMER_THREADS = 128 * WARPGROUPS;
     static constexpr int THREADS = CONSUMER_THREADS + 128;
-    /* keys per ring stage: prefill two contract blocks (S as one m64n128 product, P V as one chain of
-     * 8 k16 steps when the second block leaves m in place), split one */
-    static constexpr int HALVES = SPLIT ? 1 : 2;
-    static constexpr int TILE_KEYS = HALVES * BLOCK_N;
-    static constexpr int KV_BYTES = TILE_KEYS * D * 2; /* one K or V tile: one ring item */
+    static constexpr int STAGES = SPLIT ? 3 : 4;
+    static constexpr int KV_BYTES = BLOCK_N * D * 2; /* one K or V block */
     static constexpr int Q_BYTES = ROWS * D * 2;
+    static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
-    /* ring items: K of tile j, then V of tile j; prefill 4 (128 KB at d = 128), split 6 */
-    static constexpr int STAGES = SPLIT ? 6 : 4;
-    static constexpr int RING_BYTES = STAGES * KV_BYTES;
-    static_assert(BLOCKS_PER_SEGMENT % HALVES == 0, "a stage never straddles a segment boundary");
     static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
     static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
@@ -268,7 +256,6 @@ struct FwdTiles {
     static constexpr int PRODUCER_REGS = 40;
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
     static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
-    static_assert(SMEM_BYTES * MIN_CTAS <= 227 * 1024, "shared memory of MIN_CTAS CTAs per SM");
 };
 
 /* Pipeline, per CTA (blocks: the CTA's 64-key blocks, relative index j):
@@ -290,7 +277,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     attention_fwd_kernel(const FwdParams p) {
     using Tiles = FwdTiles<D, SPLIT>;
     constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
-    constexpr int WARPGROUPS = Tiles::WARPGROUPS, HALVES = Tiles::HALVES, TILE_KEYS = Tiles::TILE_KEYS;
+    constexpr int WARPGROUPS = Tiles::WARPGROUPS;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t full_bar = smem_u32(smem_raw);
     const uint32_t q_tile = first_tile(full_bar, Tiles::BARRIER_BYTES);
@@ -305,7 +292,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     FwdCta cta;
     if (!fwd_cta<ROWS, SPLIT>(p, cta)) return;
     const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
-    const int tiles = (blocks + HALVES - 1) / HALVES; /* ring items: TILE_KEYS keys from block_begin */
     const int64_t q_row0 = cta.range.q_start, k_row0 = cta.range.k_start;
 
     const Ring<STAGES> ring{full_bar, full_bar + 8 * STAGES};
@@ -333,18 +319,13 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int64_t thread_col = 8 * (ptid % (D / 8));
         const uint16_t *k_src = row_address(p.k, b, thread_row, cta.kv_head) + thread_col;
         const uint16_t *v_src = row_address(p.v, b, thread_row, cta.kv_head) + thread_col;
-        ring.produce(2 * tiles, [&](int item, int s) {
-            const uint32_t dst = kv_ring + s * KV_BYTES;
-            const int keys_in = cta.range.k_len - cta.block_begin * BLOCK_N - (item >> 1) * TILE_KEYS;
-            if (item & 1) {
-                load_thread_rows_async<D, TILE_KEYS, 128, BoxSwizzle<TILE_KEYS>>(dst, v_src, p.v.row_stride, keys_in,
-                                                                                 p.v.data, ptid);
-                v_src += TILE_KEYS * p.v.row_stride;
-            } else {
-                load_thread_rows_async<D, TILE_KEYS, 128, BoxSwizzle<TILE_KEYS>>(dst, k_src, p.k.row_stride, keys_in,
-                                                                                 p.k.data, ptid);
-                k_src += TILE_KEYS * p.k.row_stride;
-            }
+        ring.produce(blocks, [&](int j, int s) {
+            const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
+            const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
+            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
+            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
+            k_src += BLOCK_N * p.k.row_stride;
+            v_src += BLOCK_N * p.v.row_stride;
         });
     } else {
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of the tile */
@@ -377,97 +358,37 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
         }
         const SmemDesc q_desc = k_major_desc(q_tile + wg_row0 * 128);
-        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc<TILE_KEYS>(kv_ring);
-        float s[TILE_KEYS / 2], alpha[HALVES][2];
-        uint32_t pa[TILE_KEYS / 16][4];
+        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc(kv_ring + KV_BYTES);
+        float s[BLOCK_N / 2], alpha[2];
+        uint32_t pa[BLOCK_N / 16][4];
 #pragma unroll
-        for (int i = 0; i < TILE_KEYS / 2; ++i) s[i] = 0.0f;
+        for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.0f;
 #pragma unroll
-        for (int t = 0; t < TILE_KEYS / 16; ++t)
+        for (int t = 0; t < BLOCK_N / 16; ++t)
 #pragma unroll
             for (int i = 0; i < 4; ++i) pa[t][i] = 0u;
-        /* the tiles it attends; of tile t, the blocks it attends (all, or the first of its last tile) */
-        const int nt = (nb + HALVES - 1) / HALVES;
-        auto blocks_in = [&](int t) { return min(HALVES, nb - t * HALVES); };
-        /* the first k16 step of tile t's P V still to issue (BLOCK_N / 16 once its first block's ran) */
-        int pv_first = 0;
-        /* some row's m moved at the tile's second block (alpha != 1 on a non-empty state) */
-        bool second_rescales = false;
 
-        /* ring items: K of tile t is item 2 t, released once S has landed; V of tile t is item 2 t + 1,
-         * released once P V has landed */
-        auto k_item = [](int t) { return 2 * t; };
-        auto v_item = [](int t) { return 2 * t + 1; };
-        auto wait_full = [&](int item) {
-            if (item < 2 * tiles) ring.wait_full(item);
+        /* turn t: wait for block t (t < blocks), issue, wait for the wgmmas, release block t - 1 */
+        auto wait_full = [&](int t) {
+            if (t < blocks) ring.wait_full(t);
         };
-        auto release = [&](int item) { ring.release(item, lane); };
-        auto stage_bytes = [&](int item) { return (uint32_t)((item % STAGES) * KV_BYTES); };
+        auto release = [&](int t) {
+            if (t >= 1) ring.release(t - 1, lane);
+        };
+        auto stage_bytes = [&](int t) { return (uint32_t)((t % STAGES) * 2 * KV_BYTES); };
         /* keeps the registers of in-flight wgmmas (pa too: P V reads it) live and in place */
         auto fence_registers = [&]() {
             fence_accumulators(acc);
             fence_accumulators(s);
 #pragma unroll
-            for (int i = 0; i < TILE_KEYS / 16; ++i) fence_operands(pa[i]);
+            for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
         };
-        auto issue_s = [&](int t) {
-#pragma unroll
-            for (int i = 0; i < HALVES; ++i)
-                issue_scores<BF16, D, ROWS * 128, BLOCK_N, TILE_KEYS>(
-                        *reinterpret_cast<float (*)[BLOCK_N / 2]>(s + i * (BLOCK_N / 2)), q_desc, k_desc,
-                        stage_bytes(k_item(t)) + i * BLOCK_N * 128);
-        };
-        /* P V of tile t: one chain over its blocks' k16 steps, from pv_first */
-        auto issue_pv_of = [&](int t) {
-            constexpr int STEPS = BLOCK_N / 16;
-            const uint32_t v_bytes = stage_bytes(v_item(t));
-            if constexpr (HALVES == 1) issue_pv<BF16, D>(acc, pa, v_desc, v_bytes);
-            else if (pv_first > 0) issue_pv<BF16, D, STEPS, STEPS>(acc, pa, v_desc, v_bytes);
-            else if (blocks_in(t) == HALVES) issue_pv<BF16, D, 0, HALVES * STEPS>(acc, pa, v_desc, v_bytes);
-            else issue_pv<BF16, D, 0, STEPS>(acc, pa, v_desc, v_bytes);
-        };
-        /* the contract's updates of tile t's blocks, in order */
         auto scores = [&](int t) {
-            const int key0 = (cta.block_begin + t * HALVES) * BLOCK_N;
-            block_scores(s, 0, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha[0]);
-            second_rescales = false;
-            if constexpr (HALVES > 1) {
-                if (blocks_in(t) > 1) {
-                    const float m_before[2] = {seg.m[0], seg.m[1]};
-                    const int key1 = key0 + BLOCK_N;
-                    block_scores(s, 1, lane, key1, row_len, key1 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha[1]);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) second_rescales |= alpha[1][h] != 1.0f && m_before[h] != -INFINITY;
-                }
-            }
+            const int key0 = (cta.block_begin + t) * BLOCK_N;
+            block_scores(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha);
         };
-        /* once the P V before has landed: acc = alpha acc for the first block, P rounded; a tile whose
-         * second block moved some row's m runs its first block's P V now and rescales acc by the
-         * second block's alpha (the contract's order), leaving the second block's P V for the next
-         * turn; otherwise that alpha is 1 (or acc is still zero) and both run as one chain */
-        auto operands = [&](int t) {
-            block_operands<BF16, D>(s, alpha[0], acc, pa);
-            pv_first = 0;
-            if constexpr (HALVES > 1) {
-                /* broadcast so that the compiler knows the branch warp-uniform (no serialized wgmmas) */
-                const bool split_pv = __shfl_sync(0xffffffffu, warpgroup_any(second_rescales, 1 + wg), 0);
-                if (blocks_in(t) == HALVES && split_pv) {
-                    wait_full(v_item(t));
-                    fence_registers();
-                    wgmma_fence();
-                    issue_pv<BF16, D, 0, BLOCK_N / 16>(acc, pa, v_desc, stage_bytes(v_item(t)));
-                    wgmma_commit();
-                    wgmma_wait<0>();
-                    fence_registers();
-                    rescale_rows<D>(alpha[1], [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
-                    pv_first = BLOCK_N / 16;
-                }
-            }
-        };
-        /* prefill: tile t starts a segment, so the one before it ended one */
-        auto starts_segment = [&](int t) {
-            return !SPLIT && (cta.block_begin + t * HALVES) % BLOCKS_PER_SEGMENT == 0;
-        };
+        /* prefill: block t starts a segment, so the one before it ended one */
+        auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % BLOCKS_PER_SEGMENT == 0; };
         /* prefill: merges an ended segment (its m and l in `ended`, its acc) into the row state; acc
          * restarts from zero */
         auto merge_ended = [&](const RowPair &ended) {
@@ -495,61 +416,56 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         };
 
         int t = 0;
-        if (nt > 0) {
-            /* turn 0: S of tile 0 */
-            wait_full(k_item(0));
+        if (nb > 0) {
+            /* turn 0: S of block 0 */
+            wait_full(0);
             fence_registers();
             wgmma_fence();
-            issue_s(0);
+            issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(0));
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers();
-            release(k_item(0));
             scores(0);
-            operands(0);
-            /* turn t: S of tile t, then P V of tile t - 1 in a second group, so that tile t's
+            block_operands<BF16, D>(s, alpha, acc, pa);
+            /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
              * softmax runs while that P V is on the tensor cores */
-            for (t = 1; t < nt; ++t) {
-                wait_full(k_item(t));
-                wait_full(v_item(t - 1));
+            for (t = 1; t < nb; ++t) {
+                wait_full(t);
                 fence_registers();
                 wgmma_fence();
-                issue_s(t);
+                issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(t));
                 wgmma_commit();
-                issue_pv_of(t - 1);
+                issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1));
                 wgmma_commit();
                 wgmma_wait<1>();
                 fence_accumulators(s);
-                release(k_item(t));
                 const RowPair ended = seg;
                 const bool new_segment = starts_segment(t);
                 if (new_segment) set_empty(seg);
                 scores(t);
                 wgmma_wait<0>();
                 fence_registers();
-                release(v_item(t - 1));
+                release(t);
                 if (new_segment) merge_ended(ended);
-                operands(t);
+                block_operands<BF16, D>(s, alpha, acc, pa);
             }
-            /* turn nt: P V of the last tile */
-            wait_full(v_item(nt - 1));
+            /* turn nb: P V of the last block */
+            wait_full(nb);
             fence_registers();
             wgmma_fence();
-            issue_pv_of(nt - 1);
+            issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1));
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers();
-            release(v_item(nt - 1));
+            release(nb);
             merge_ended(seg);
-            t = nt;
+            t = nb + 1;
         }
-        /* the tiles its rows cannot see: wait for and release them too, so the barriers' phases stay
-         * in step */
-        for (; t < tiles; ++t)
-            for (int item = k_item(t); item <= v_item(t); ++item) {
-                wait_full(item);
-                release(item);
-            }
+        /* the blocks its rows cannot see: keep the barriers' phases in step */
+        for (; t <= blocks; ++t) {
+            wait_full(t);
+            release(t);
+        }
 
         const int col = 2 * (lane & 3);
 #pragma unroll

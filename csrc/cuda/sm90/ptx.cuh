@@ -91,18 +91,6 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 
 /* Barrier among the 128 threads of one warpgroup (ids 1, 2: one per consumer; 0 is __syncthreads). */
 __device__ __forceinline__ void warpgroup_sync(uint32_t id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
-/* Whether x holds in any thread of the warpgroup (named barrier id, 128 threads): a warpgroup-wide
- * decision, e.g. which wgmmas to issue. */
-__device__ __forceinline__ bool warpgroup_any(bool x, uint32_t id) {
-    uint32_t any;
-    asm volatile(
-        "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.or.pred q, %2, 128, p;\n\t"
-        "selp.u32 %0, 1, 0, q;\n\t}"
-        : "=r"(any)
-        : "r"((uint32_t)x), "r"(id)
-        : "memory");
-    return any != 0;
-}
 
 /* A flag in global memory handing data from one CTA to another: the writer's threads store the data,
  * meet at a barrier, and one of them publishes with flag_release (the fence orders the whole group's
