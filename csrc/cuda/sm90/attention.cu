@@ -56,7 +56,7 @@
  *     zero, N = 64; P V: the block's 4 key k16 steps onto the rescaled acc, N = head_dim) in both
  *     schedules; a wgmma row depends only on its own A row, so the rows packed beside it (other
  *     queries, other heads, padding, the other warpgroup) do not matter; the row max/sum combine only
- *     the row's own values (the thread's columns in increasing order, then quad shuffles xor 1, xor 2);
+ *     the row's own values (the thread's columns in a fixed order, then quad shuffles xor 1, xor 2);
  *   - block and segment boundaries are absolute key positions; which blocks a warpgroup visits depends
  *     on the other rows of its tile, but a block a row cannot see is an exact no-op for it (s = -inf,
  *     p = 0, alpha = 1 selected, l + 0, acc * 1 + 0 * v with V zero-filled past k_len: cp.async with
