@@ -2,6 +2,7 @@
 bad inputs that must raise a clear error naming the argument."""
 
 import gc
+import math
 import resource
 
 import numpy as np
@@ -340,3 +341,20 @@ def test_out_none_allocates_through_the_exchange_table():
         _C.gemm(a.numpy(), b.numpy(), None, None, 1.0, 0.0, CPU, 0)
     with pytest.raises(ValueError, match="out_dtype: unknown dtype code 9"):
         _C.gemm(a, b, None, None, 1.0, 0.0, CPU, 0, 9)
+
+
+@pytest.mark.parametrize("scale", [-0.5, math.inf, math.nan, 1e39])
+def test_attention_binding_refuses_a_negative_or_non_finite_softmax_scale(scale):
+    """The C binding checks softmax_scale itself (a caller of _C has no Python wrapper in front):
+    forward and backward, before any kernel runs (out stays as it was)."""
+    q, k, v = (torch.randn(1, 3, 2, 8) for _ in range(3))
+    out, lse = torch.full_like(q, 7.0), torch.zeros(1, 2, 3)
+    with pytest.raises(ValueError, match="softmax_scale: must be finite and >= 0"):
+        _C.attention_fwd(q, k, v, out, lse, None, None, None, None, 3, 3, True, scale, 0, CPU, 0)
+    assert torch.equal(out, torch.full_like(q, 7.0))
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="softmax_scale: must be finite and >= 0"):
+        _C.attention_bwd(q, k, v, out, lse, torch.ones_like(q), *grads, None, None, None, None, 3, 3, True,
+                         scale, 0, CPU, 0)
+    _C.attention_fwd(q, k, v, out, lse, None, None, None, None, 3, 3, True, 0.0, 0, CPU, 0)  # 0 is fine
+    assert torch.allclose(out[0, 2], v[0].mean(0))  # scale 0: the mean of the values it sees

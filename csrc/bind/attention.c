@@ -126,8 +126,8 @@ static int check_max_lengths(rlk_attention_args *a, long long max_q_len, long lo
     return 0;
 }
 
-/* The contract's m is a running max of the raw scores, which is the max of the scaled ones only for
- * softmax_scale >= 0. */
+/* The contract's m follows the max of the raw scores, which is the max of the scaled ones only for
+ * softmax_scale >= 0; a Python caller gets the same check from the wrapper first. */
 static int check_softmax_scale(double softmax_scale) {
     if (!(softmax_scale >= 0.0 && softmax_scale <= FLT_MAX)) {
         PyErr_Format(PyExc_ValueError, "softmax_scale: must be finite and >= 0, got %g", softmax_scale);
