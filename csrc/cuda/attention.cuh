@@ -4,8 +4,8 @@
  * range is bad, so that its rows are still written), the contract's scaled(m), the row
  * state of a thread's two rows, its block update (mask_block, update_rows, rescale_rows), the
  * segment merge (merge_segment) and the normalization (finalize_row), the cp.async tile loads (in
- * each backend's swizzle), the forward's kernel parameters, the split-KV combine kernel, and the
- * host side: the layout checks (supported), the schedule choice, the split workspace, the forward
+ * each backend's swizzle), the kernel parameters both directions read (CallParams) and the
+ * forward's, the split-KV combine kernel, and the host side: the layout checks (supported), the schedule choice, the split workspace, the forward
  * launch (launch_fwd; each backend supplies its tile plan and attention_fwd_kernel) and the
  * forward's entry point (attention_fwd_entry); for the backward, its parameters (BwdParams), the
  * row-statistics kernel that runs first (attention_bwd_prep_kernel), the gradient rows' store
@@ -282,14 +282,20 @@ __device__ __forceinline__ void load_thread_rows_async(uint32_t smem, const uint
     else copy(std::false_type{});
 }
 
-/* ------------------------------------ forward ----------------------------------------------- */
+/* ------------------------------------ kernel parameters ------------------------------------- */
 
-struct FwdParams {
+/* What the forward and the backward kernels both read of a call (call_params, below, fills it). */
+struct CallParams {
     rlk_attention_tensor q, k, v, out, lse;
     Sequences seq;
     int heads_q, heads_kv, group, causal;
     float scale_log2; /* c = softmax_scale * log2(e) */
-    float *partials;  /* split: [batch][max_q_len][heads_q][num_segments] records {m, l, 0, 0, acc[D]} */
+};
+
+/* ------------------------------------ forward ----------------------------------------------- */
+
+struct FwdParams : CallParams {
+    float *partials; /* split: [batch][max_q_len][heads_q][num_segments] records {m, l, 0, 0, acc[D]} */
     int num_segments;
     int64_t rows_total; /* combine: batch * max_q_len * heads_q */
 };
@@ -397,11 +403,9 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
 
 constexpr float LOG2E = 1.4426950408889634f;
 
-struct BwdParams {
-    rlk_attention_tensor q, k, v, out, lse, dout, dq, dk, dv;
-    Sequences seq;
-    int heads_q, heads_kv, group, causal;
-    float scale, scale_log2;
+struct BwdParams : CallParams {
+    rlk_attention_tensor dout, dq, dk, dv;
+    float scale;
     float2 *stats;   /* [batch][heads_q][stats_pitch] {lse * log2(e), sum_d dout * out} */
     int stats_pitch; /* max_q_len rounded up to even: two rows are one 16-byte chunk */
 };
@@ -552,15 +556,8 @@ Sequences sequences(const rlk_attention_args *a) {
     return s;
 }
 
-/* The forward of a backend on `stream`: the prefill kernel over (head, 64- or 128-row tile, sequence),
- * or the split kernel over (segment, row tile x kv head, sequence) and then the combine kernel.
- * Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES); prefill and split are its
- * attention_fwd_kernel<BF16, D, false> and <BF16, D, true>. */
-template <bool BF16, int D, template <int, bool> class Tiles>
-int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream, void (*prefill)(FwdParams),
-               void (*split)(FwdParams)) {
-    static_assert(Tiles<D, true>::ROWS == SPLIT_ROWS, "pick_schedule sizes the split schedule by its CTA rows");
-    FwdParams p;
+CallParams call_params(const rlk_attention_args *a) {
+    CallParams p;
     p.q = a->q;
     p.k = a->k;
     p.v = a->v;
@@ -572,6 +569,18 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
     p.group = (int)(a->heads_q / a->heads_kv);
     p.causal = a->causal != 0;
     p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
+    return p;
+}
+
+/* The forward of a backend on `stream`: the prefill kernel over (head, 64- or 128-row tile, sequence),
+ * or the split kernel over (segment, row tile x kv head, sequence) and then the combine kernel.
+ * Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES); prefill and split are its
+ * attention_fwd_kernel<BF16, D, false> and <BF16, D, true>. */
+template <bool BF16, int D, template <int, bool> class Tiles>
+int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream, void (*prefill)(FwdParams),
+               void (*split)(FwdParams)) {
+    static_assert(Tiles<D, true>::ROWS == SPLIT_ROWS, "pick_schedule sizes the split schedule by its CTA rows");
+    FwdParams p{call_params(a)};
     p.partials = (float *)a->workspace;
     p.num_segments = (int)split_segments(a);
     p.rows_total = a->batch * a->max_q_len * a->heads_q;
@@ -628,23 +637,12 @@ int attention_fwd_entry(const rlk_attention_args *args, rlk_context *ctx, int fo
 
 /* The backward's parameters from the call's arguments (stats: the workspace). */
 BwdParams bwd_params(const rlk_attention_args *a) {
-    BwdParams p;
-    p.q = a->q;
-    p.k = a->k;
-    p.v = a->v;
-    p.out = a->out;
-    p.lse = a->lse;
+    BwdParams p{call_params(a)};
     p.dout = a->dout;
     p.dq = a->dq;
     p.dk = a->dk;
     p.dv = a->dv;
-    p.seq = sequences(a);
-    p.heads_q = (int)a->heads_q;
-    p.heads_kv = (int)a->heads_kv;
-    p.group = (int)(a->heads_q / a->heads_kv);
-    p.causal = a->causal != 0;
     p.scale = a->softmax_scale;
-    p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
     p.stats = (float2 *)a->workspace;
     p.stats_pitch = (int)((a->max_q_len + 1) & ~(int64_t)1);
     return p;
