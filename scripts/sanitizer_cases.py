@@ -22,7 +22,10 @@ def main():
             rl_kernels.det_gemm(a, w.t().contiguous(), out_dtype=torch.float32, backend=backend)
             rl_kernels.matmul(a.t().contiguous().t(), w.t(), backend=backend)
             rl_kernels.addmm(randn(n), a, w.t(), beta=0.5, backend=backend)
-    rl_kernels.matmul(randn(33, 45, dtype=torch.float32), randn(45, 19, dtype=torch.float32))
+    rl_kernels.matmul(randn(33, 45, dtype=torch.float32), randn(45, 19, dtype=torch.float32))  # 64 x 64 tiles
+    big_a, big_b = randn(1100, 37, dtype=torch.float32), randn(2100, 37, dtype=torch.float32)  # 128 x 128
+    rl_kernels.matmul(big_a, big_b.t())
+    rl_kernels.matmul(big_a.t().contiguous().t(), big_b.t().contiguous())
     if kernel_registry.backend_status("linear_logp", "sm80")[0]:
         h = randn(37, 72).requires_grad_()
         w = randn(5003, 72).requires_grad_()

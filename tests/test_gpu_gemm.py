@@ -251,6 +251,27 @@ def test_fp32_inputs_use_exact_fp32_path():
     assert torch.equal(rl_kernels.matmul(a[5:6], b), out[5:6])
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 1024), (7, 33, 5), (130, 700, 250), (1000, 4095, 2100),
+                                   (4096, 2048, 3072)])
+def test_fp32_gemm_equals_the_cpu_reference_bitwise(m, k, n):
+    """fp32 runs the FFMA kernel: every output is acc = fma(a, b, acc) for k = 0, 1, ... from zero,
+    then fma(beta, c, alpha * acc), the CPU reference's sequence, so the two agree bit for bit for
+    every layout, both tile sizes (64 x 64 here up to M = 130, 128 x 128 from M = 1000), ragged
+    edges in M, N and K, and the epilogues."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    a = cuda_randn(m, k, dtype=torch.float32, seed=30)
+    b = cuda_randn(k, n, dtype=torch.float32, seed=31)
+    c = cuda_randn(m, n, dtype=torch.float32, seed=32)
+    bias = cuda_randn(n, dtype=torch.float32, seed=33)
+    a_t, b_t = a.t().contiguous().t(), b.t().contiguous().t()  # the same values, the other layouts
+    for x, y in ((a, b), (a_t, b), (a, b_t), (a_t, b_t)):
+        assert torch.equal(rl_kernels.matmul(x, y).cpu(), rl_kernels.matmul(x.cpu(), y.cpu()))
+    assert torch.equal(rl_kernels.gemm(0.25, a, b, -1.5, c).cpu(),
+                       rl_kernels.gemm(0.25, a.cpu(), b.cpu(), -1.5, c.cpu()))
+    assert torch.equal(rl_kernels.addmm(bias, a, b_t).cpu(), rl_kernels.addmm(bias.cpu(), a.cpu(), b_t.cpu()))
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("m,n", [(256, 512), (1025, 4096)])  # (1025, 4096): stream-K on sm90
 def test_cuda_graph_capture(backend, m, n):

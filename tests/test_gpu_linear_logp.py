@@ -228,9 +228,14 @@ def test_fp32_inputs_take_the_exact_fp32_path(backend):
     assert (ent.double() - ref_ent).abs().max() <= 1e-5
     part = rl_kernels.linear_logp(h[100:117], w, t[100:117], b, temperature=0.8, backend=backend)
     assert torch.equal(part, logp[100:117])
+    # 5000 rows: logits in chunks of 4096 rows x 3072 columns (700 rows: one chunk of all 9000)
+    many = torch.cat([h, cuda_randn(4300, 96, dtype=torch.float32, seed=61)])
+    t_many = torch.cat([t, torch.randint(0, 9000, (4300,), device="cuda")])
+    assert torch.equal(rl_kernels.linear_logp(many, w, t_many, b, temperature=0.8, backend=backend)[:700], logp)
     x = h[:50].clone().requires_grad_()
-    grad, = torch.autograd.grad(rl_kernels.linear_logp(x, w, t[:50], b, backend=backend).sum(), x)
+    g = cuda_randn(50, dtype=torch.float32, seed=62)
+    grad, = torch.autograd.grad(rl_kernels.linear_logp(x, w, t[:50], b, backend=backend), x, g)
     x64 = h[:50].double().requires_grad_()
-    ref = rl_kernels.NativeLinearLogpOp(torch.float64)(x64, w.double(), t[:50], b.double()).sum()
-    grad64, = torch.autograd.grad(ref, x64)
+    ref = rl_kernels.NativeLinearLogpOp(torch.float64)(x64, w.double(), t[:50], b.double())
+    grad64, = torch.autograd.grad(ref, x64, g.double())
     assert rel_err(grad, grad64) <= 1e-5

@@ -22,6 +22,11 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void *gmem
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
 }
 
+/* Copies one 4-byte element (src_bytes 4) or writes a zero (src_bytes 0), through L1. */
+__device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void *gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 /* Waits until at most N of this thread's committed cp.async groups are still in flight. */

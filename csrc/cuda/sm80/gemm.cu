@@ -19,11 +19,11 @@
  * The grid is 1-D over output tiles, rastered in groups of 8 M-tiles so that neighbouring CTAs
  * share B and A tiles in L2 (no 65535 grid.y limit; N = 151936 is 594 N-tiles).
  *
- * fp32 plan (FFMA, one plan for every problem): CTA tile 128 x 64 x 16, 256 threads as 16 x 16, each
- * thread owns an 8 x 4 register block. Each k-tile is copied global -> shared with element-wise,
- * bounds-checked loads that walk the operand's contiguous dimension across neighbouring threads
- * (coalesced for every layout), stored k-major so the inner loop reads float4s; zero fill past the
- * edges; grouped raster like the tensor-core kernel.
+ * fp32 plan (FFMA): CTA tile 128 x 128 x 16 (64 x 64 when the large tiles would not give every SM
+ * one), 256 threads as 16 x 16, each thread an 8 x 8 (4 x 4) register block of two 4-wide strips per
+ * dimension, two CTAs per SM. A 3-stage ring of k-major k-tiles is filled by 4-byte cp.async whose
+ * addresses walk each operand's contiguous dimension across neighbouring threads (coalesced for every
+ * layout, zero fill past the edges); grouped raster like the tensor-core kernel.
  *
  * Batch invariance: no split-K; the tile size (chosen by M and N) only moves an element between
  * tiles, CTAs and warps, never changes its arithmetic. Every output element
@@ -330,89 +330,120 @@ __global__ void __launch_bounds__(WARPS_M *WARPS_N * 32, 1)
 }
 
 /* ----------------------------------------------------------------------------------------------
- * The fp32 kernel (FFMA, fixed k order; see the file header).
+ * The fp32 kernel (FFMA, fixed k order; see the file header). BM x BN x 16 CTA tiles (128 x 128 or
+ * 64 x 64), 256 threads as a 16 x 16 grid. Thread (tx, ty) owns rows s * 64 + 4 ty + r and columns
+ * t * 64 + 4 tx + c (r, c < 4): four-wide strips 64 apart, so a warp's float4 reads of one k row of
+ * the shared tiles are broadcasts (A) or one contiguous 256-byte run (B). A ring of FP32_STAGES
+ * k-tiles is filled by 4-byte cp.async (zero-filling past M, N and K), two k-tiles ahead.
  * -------------------------------------------------------------------------------------------- */
-#define FP32_BM 128
-#define FP32_BN 64
 #define FP32_BK 16
+#define FP32_STAGES 3
 #define FP32_THREADS 256
-#define FP32_TM 8 /* rows per thread */
-#define FP32_TN 4 /* columns per thread */
 #define FP32_GROUP_M 8
 
-template <int A_TRANS, int B_TRANS>
-__global__ void __launch_bounds__(FP32_THREADS)
+template <int BM, int BN>
+struct Fp32Stage { /* one k-tile, k-major; +4 floats per row: float4-aligned rows, spread banks */
+    float a[FP32_BK][BM + 4];
+    float b[FP32_BK][BN + 4];
+};
+
+/* Issues this thread's share of one operand's k-tile, LOADS 4-byte copies: consecutive threads walk
+ * the operand's contiguous global dimension (coalesced for every layout). K_CONTIGUOUS: the thread
+ * keeps k = tid % 16 and steps over rows, 16 at a time; else it keeps row tid % ROWS and steps over
+ * k, 256 / ROWS at a time. Elements with row >= rows_in or k >= k_in are written as zeros. */
+template <int ROWS, bool K_CONTIGUOUS>
+__device__ __forceinline__ void fp32_load_k_tile(float (*tile)[ROWS + 4], const float *g, int64_t ld, int64_t k0,
+                                                 int rows_in, int k_in, int tid) {
+    constexpr int LOADS = ROWS * FP32_BK / FP32_THREADS;
+    constexpr int ROW_STEP = K_CONTIGUOUS ? FP32_THREADS / FP32_BK : 0, K_STEP = K_CONTIGUOUS ? 0 : FP32_THREADS / ROWS;
+    const int row = K_CONTIGUOUS ? tid / FP32_BK : tid % ROWS, k = K_CONTIGUOUS ? tid % FP32_BK : tid / ROWS;
+    const float *src = K_CONTIGUOUS ? g + row * ld + k0 + k : g + (k0 + k) * ld + row;
+    const int64_t step = (ROW_STEP + K_STEP) * ld;
+    uint32_t dst = smem_u32(&tile[k][row]);
+#pragma unroll
+    for (int i = 0; i < LOADS; i++, src += step, dst += 4 * (ROW_STEP + K_STEP * (ROWS + 4))) {
+        const bool valid = k + i * K_STEP < k_in && row + i * ROW_STEP < rows_in;
+        cp_async_4(dst, valid ? src : g, valid ? 4 : 0);
+    }
+}
+
+template <int BM, int BN, int A_TRANS, int B_TRANS>
+__global__ void __launch_bounds__(FP32_THREADS, 2)
     gemm_fp32_simt_kernel(int64_t M, int64_t N, int64_t K, const float *__restrict__ a, int64_t lda,
                           const float *__restrict__ b, int64_t ldb, const float *__restrict__ c,
                           int64_t ldc, float *__restrict__ out, int64_t ldo, float alpha, float beta) {
-    /* +4 floats per row keeps float4 alignment and spreads the transposing stores over banks */
-    __shared__ __align__(16) float As[FP32_BK][FP32_BM + 4];
-    __shared__ __align__(16) float Bs[FP32_BK][FP32_BN + 4];
+    constexpr int TM = BM / 16, TN = BN / 16; /* outputs per thread */
+    static_assert(TM % 4 == 0 && TN % 4 == 0 && TM <= 8 && TN <= 8, "strips of 4, at most two");
+    extern __shared__ __align__(16) uint4 fp32_smem[];
+    Fp32Stage<BM, BN> *ring = (Fp32Stage<BM, BN> *)fp32_smem;
 
-    const int64_t num_m_tiles = (M + FP32_BM - 1) / FP32_BM, num_n_tiles = (N + FP32_BN - 1) / FP32_BN;
+    const int64_t num_m_tiles = (M + BM - 1) / BM, num_n_tiles = (N + BN - 1) / BN;
     const int64_t pid = blockIdx.x;
     const int64_t tiles_per_group = (int64_t)FP32_GROUP_M * num_n_tiles;
     const int64_t first_m = (pid / tiles_per_group) * FP32_GROUP_M;
     const int64_t group_rows = min((int64_t)FP32_GROUP_M, num_m_tiles - first_m);
-    const int64_t m0 = (first_m + (pid % tiles_per_group) % group_rows) * FP32_BM;
-    const int64_t n0 = ((pid % tiles_per_group) / group_rows) * FP32_BN;
+    const int64_t m0 = (first_m + (pid % tiles_per_group) % group_rows) * BM;
+    const int64_t n0 = ((pid % tiles_per_group) / group_rows) * BN;
 
     const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-    const int m_in = (int)min((int64_t)FP32_BM, M - m0), n_in = (int)min((int64_t)FP32_BN, N - n0);
+    const int m_in = (int)min((int64_t)BM, M - m0), n_in = (int)min((int64_t)BN, N - n0);
     const float *a_tile = a + (A_TRANS ? m0 : m0 * lda); /* tile origins at k = 0 */
     const float *b_tile = b + (B_TRANS ? n0 * ldb : n0);
-
-    float acc[FP32_TM][FP32_TN];
-#pragma unroll
-    for (int i = 0; i < FP32_TM; i++)
-#pragma unroll
-        for (int j = 0; j < FP32_TN; j++) acc[i][j] = 0.0f;
-
-    for (int64_t k0 = 0; k0 < K; k0 += FP32_BK) {
-        const int k_in = (int)min((int64_t)FP32_BK, K - k0);
-        /* consecutive threads walk the contiguous global dimension */
-#pragma unroll
-        for (int i = 0; i < FP32_BM * FP32_BK / FP32_THREADS; i++) {
-            const int e = tid + i * FP32_THREADS;
-            const int k = A_TRANS ? e / FP32_BM : e % FP32_BK;
-            const int m = A_TRANS ? e % FP32_BM : e / FP32_BK;
-            As[k][m] = (k < k_in && m < m_in)
-                           ? (A_TRANS ? a_tile[(k0 + k) * lda + m] : a_tile[m * lda + k0 + k])
-                           : 0.0f;
+    const int64_t k_tiles = (K + FP32_BK - 1) / FP32_BK;
+    auto load_k_tile = [&](int64_t kt) { /* one commit group per k-tile, empty past the last */
+        if (kt < k_tiles) {
+            Fp32Stage<BM, BN> &st = ring[kt % FP32_STAGES];
+            const int k_in = (int)min((int64_t)FP32_BK, K - kt * FP32_BK);
+            fp32_load_k_tile<BM, !A_TRANS>(st.a, a_tile, lda, kt * FP32_BK, m_in, k_in, tid);
+            fp32_load_k_tile<BN, (bool)B_TRANS>(st.b, b_tile, ldb, kt * FP32_BK, n_in, k_in, tid);
         }
+        cp_async_commit();
+    };
+
+    float acc[TM][TN];
 #pragma unroll
-        for (int i = 0; i < FP32_BN * FP32_BK / FP32_THREADS; i++) {
-            const int e = tid + i * FP32_THREADS;
-            const int k = B_TRANS ? e % FP32_BK : e / FP32_BN;
-            const int n = B_TRANS ? e / FP32_BK : e % FP32_BN;
-            Bs[k][n] = (k < k_in && n < n_in)
-                           ? (B_TRANS ? b_tile[n * ldb + k0 + k] : b_tile[(k0 + k) * ldb + n])
-                           : 0.0f;
-        }
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TN; j++) acc[i][j] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < FP32_STAGES - 1; s++) load_k_tile(s);
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+        cp_async_wait<FP32_STAGES - 2>();
+        /* k-tile kt has landed for every thread, and every thread is done reading kt - 1's slot,
+         * which the next load refills */
         __syncthreads();
+        load_k_tile(kt + FP32_STAGES - 1);
+        const Fp32Stage<BM, BN> &st = ring[kt % FP32_STAGES];
 #pragma unroll
         for (int k = 0; k < FP32_BK; k++) {
-            const float4 a_lo = *(const float4 *)&As[k][ty * FP32_TM];
-            const float4 a_hi = *(const float4 *)&As[k][ty * FP32_TM + 4];
-            const float4 bv = *(const float4 *)&Bs[k][tx * FP32_TN];
-            const float av[FP32_TM] = {a_lo.x, a_lo.y, a_lo.z, a_lo.w, a_hi.x, a_hi.y, a_hi.z, a_hi.w};
-            const float bw[FP32_TN] = {bv.x, bv.y, bv.z, bv.w};
+            float av[TM], bw[TN];
 #pragma unroll
-            for (int i = 0; i < FP32_TM; i++)
+            for (int s = 0; s < TM / 4; s++) {
+                const float4 x = *(const float4 *)&st.a[k][s * 64 + ty * 4];
+                av[4 * s] = x.x, av[4 * s + 1] = x.y, av[4 * s + 2] = x.z, av[4 * s + 3] = x.w;
+            }
 #pragma unroll
-                for (int j = 0; j < FP32_TN; j++) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
+            for (int t = 0; t < TN / 4; t++) {
+                const float4 y = *(const float4 *)&st.b[k][t * 64 + tx * 4];
+                bw[4 * t] = y.x, bw[4 * t + 1] = y.y, bw[4 * t + 2] = y.z, bw[4 * t + 3] = y.w;
+            }
+#pragma unroll
+            for (int i = 0; i < TM; i++)
+#pragma unroll
+                for (int j = 0; j < TN; j++) acc[i][j] = fmaf(av[i], bw[j], acc[i][j]);
         }
-        __syncthreads();
     }
+    cp_async_wait<0>();
 
 #pragma unroll
-    for (int i = 0; i < FP32_TM; i++) {
-        const int64_t gi = m0 + ty * FP32_TM + i;
-        if (gi >= M) break;
+    for (int i = 0; i < TM; i++) {
+        const int64_t gi = m0 + (i / 4) * 64 + ty * 4 + i % 4;
+        if (gi >= M) continue;
 #pragma unroll
-        for (int j = 0; j < FP32_TN; j++) {
-            const int64_t gj = n0 + tx * FP32_TN + j;
-            if (gj >= N) break;
+        for (int j = 0; j < TN; j++) {
+            const int64_t gj = n0 + (j / 4) * 64 + tx * 4 + j % 4;
+            if (gj >= N) continue;
             float v = alpha * acc[i][j];
             if (c) v = fmaf(beta, c[gi * ldc + gj], v); /* ldc == 0: bias row broadcast */
             out[gi * ldo + gj] = v;
@@ -476,16 +507,20 @@ static int launch_gemm_sm80(const rlk_gemm_args *p, cudaStream_t stream) {
     return RLK_UNSUPPORTED;
 }
 
+template <int BM, int BN>
 static int launch_gemm_fp32(const rlk_gemm_args *p, cudaStream_t stream) {
-    const int64_t tiles = ((p->M + FP32_BM - 1) / FP32_BM) * ((p->N + FP32_BN - 1) / FP32_BN);
+    const int64_t tiles = ((p->M + BM - 1) / BM) * ((p->N + BN - 1) / BN);
     if (tiles > 0x7fffffff) return (int)cudaErrorInvalidConfiguration;
     void (*kernel)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
                    const float *, int64_t, float *, int64_t, float, float);
     if (p->a_trans)
-        kernel = p->b_trans ? gemm_fp32_simt_kernel<1, 1> : gemm_fp32_simt_kernel<1, 0>;
+        kernel = p->b_trans ? gemm_fp32_simt_kernel<BM, BN, 1, 1> : gemm_fp32_simt_kernel<BM, BN, 1, 0>;
     else
-        kernel = p->b_trans ? gemm_fp32_simt_kernel<0, 1> : gemm_fp32_simt_kernel<0, 0>;
-    kernel<<<(unsigned)tiles, FP32_THREADS, 0, stream>>>(
+        kernel = p->b_trans ? gemm_fp32_simt_kernel<BM, BN, 0, 1> : gemm_fp32_simt_kernel<BM, BN, 0, 0>;
+    constexpr int smem_bytes = FP32_STAGES * sizeof(Fp32Stage<BM, BN>);
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return (int)err;
+    kernel<<<(unsigned)tiles, FP32_THREADS, smem_bytes, stream>>>(
         p->M, p->N, p->K, (const float *)p->a, p->lda, (const float *)p->b, p->ldb,
         (const float *)p->c, p->ldc, (float *)p->out, p->ldo, (float)p->alpha, (float)p->beta);
     return (int)cudaGetLastError();
@@ -503,11 +538,15 @@ extern "C" int rlk_gemm_sm80(const rlk_gemm_args *args, rlk_context *ctx) {
     ctx->kernel = fp32 ? "gemm_fp32_sm80" : "gemm_sm80";
     if (ctx->plan_only) return RLK_OK;
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
-    if (fp32) return launch_gemm_fp32(args, stream);
     int device, num_sms;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return (int)err;
+    if (fp32) {
+        const int64_t large_fp32_tiles = ((args->M + 127) / 128) * ((args->N + 127) / 128);
+        return large_fp32_tiles >= num_sms ? launch_gemm_fp32<128, 128>(args, stream)
+                                           : launch_gemm_fp32<64, 64>(args, stream);
+    }
     const int64_t large_tiles = ((args->M + 127) / 128) * ((args->N + 255) / 256);
     if (2 * large_tiles <= num_sms) return launch_gemm_sm80<128, 128, 64, 4, 2, 3>(args, stream);
     return launch_gemm_sm80<128, 256, 64, 2, 4, 3>(args, stream);

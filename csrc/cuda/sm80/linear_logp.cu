@@ -311,15 +311,24 @@ linear_logp_partial_kernel(const uint16_t *__restrict__ hidden, int64_t ldh, con
 }
 
 /* ---------------------------------------------------------------------------------------------
- * fp32 inputs: no tensor-core path (never TF32). The logits of LOGP_FP32_CHUNK_ROWS x
- * LOGP_FP32_CHUNK_COLS chunks come from the fp32 FFMA GEMM (rlk_gemm_sm80 with fp32 operands: fixed k
- * order, bias added in its epilogue) into the workspace; partials_from_logits_kernel then folds each
- * LOGP_SPLIT_COLS-column split of a row into the same partial state as the fused kernels (lane j
- * takes columns j, j + 32, ... in order, the lanes merge in a fixed shuffle tree), and the common
- * merge kernel finishes. Slower (logits pass through memory, O(chunk) extra), same contract.
+ * fp32 inputs: no tensor-core path (never TF32). The logits of chunks of at most
+ * LOGP_FP32_CHUNK_ROWS rows x whole splits (as many as LOGP_FP32_CHUNK_FLOATS hold) come from the
+ * fp32 FFMA GEMM (rlk_gemm_sm80 with fp32 operands: fixed k order, bias added in its epilogue) into
+ * the workspace; partials_from_logits_kernel then folds each LOGP_SPLIT_COLS-column split of a row
+ * into the same partial state as the fused kernels (lane j takes columns j, j + 32, ... in order, the
+ * lanes merge in a fixed shuffle tree), and the common merge kernel finishes. Slower (logits pass
+ * through memory, O(chunk) extra), same contract. The chunk shape (by N) moves no bits: a logit is
+ * the same fma sequence in any GEMM tile, and a split's partial folds its own columns.
  * ------------------------------------------------------------------------------------------- */
-#define LOGP_FP32_CHUNK_COLS (4 * LOGP_SPLIT_COLS)
 #define LOGP_FP32_CHUNK_ROWS 4096
+#define LOGP_FP32_CHUNK_FLOATS (LOGP_FP32_CHUNK_ROWS * 4 * LOGP_SPLIT_COLS) /* 48 MB of logits */
+
+/* Rows and columns of the fp32 logits chunks for N rows: fewer rows, wider chunks (more GEMM tiles). */
+static int64_t fp32_chunk_rows(int64_t N) { return N < 1 ? 1 : N < LOGP_FP32_CHUNK_ROWS ? N : LOGP_FP32_CHUNK_ROWS; }
+static int64_t fp32_chunk_cols(int64_t N, int64_t V) {
+    const int64_t cols = LOGP_FP32_CHUNK_FLOATS / (fp32_chunk_rows(N) * LOGP_SPLIT_COLS) * LOGP_SPLIT_COLS;
+    return cols < V ? cols : V;
+}
 
 __global__ void partials_from_logits_kernel(const float *__restrict__ logits, int64_t rows,
                                             int64_t cols, int64_t row0, int64_t v0, int64_t N,
@@ -355,10 +364,11 @@ static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, float4 *partia
     const cudaStream_t s = (cudaStream_t)ctx->stream;
     rlk_context gemm_ctx = *ctx;
     const float scale_log2 = args->inv_temperature * LOG2E;
-    for (int64_t v0 = 0; v0 < args->V; v0 += LOGP_FP32_CHUNK_COLS) {
-        const int64_t cols = args->V - v0 < LOGP_FP32_CHUNK_COLS ? args->V - v0 : LOGP_FP32_CHUNK_COLS;
-        for (int64_t row0 = 0; row0 < args->N; row0 += LOGP_FP32_CHUNK_ROWS) {
-            const int64_t rows = args->N - row0 < LOGP_FP32_CHUNK_ROWS ? args->N - row0 : LOGP_FP32_CHUNK_ROWS;
+    const int64_t chunk_rows = fp32_chunk_rows(args->N), chunk_cols = fp32_chunk_cols(args->N, args->V);
+    for (int64_t v0 = 0; v0 < args->V; v0 += chunk_cols) {
+        const int64_t cols = args->V - v0 < chunk_cols ? args->V - v0 : chunk_cols;
+        for (int64_t row0 = 0; row0 < args->N; row0 += chunk_rows) {
+            const int64_t rows = args->N - row0 < chunk_rows ? args->N - row0 : chunk_rows;
             rlk_gemm_args g;
             memset(&g, 0, sizeof(g));
             g.M = rows;
@@ -409,9 +419,9 @@ extern "C" int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, rlk_co
         return RLK_UNSUPPORTED;
     ctx->kernel = fp32 ? "linear_logp_fwd_fp32_sm80" : "linear_logp_fwd_sm80";
     if (ctx->plan_only) {
-        const int64_t logits_rows = args->N < LOGP_FP32_CHUNK_ROWS ? args->N : LOGP_FP32_CHUNK_ROWS;
-        ctx->workspace_bytes = partials_bytes(args->N, args->V) +
-                               (fp32 ? logits_rows * LOGP_FP32_CHUNK_COLS * (int64_t)sizeof(float) : 0);
+        ctx->workspace_bytes =
+            partials_bytes(args->N, args->V) +
+            (fp32 ? fp32_chunk_rows(args->N) * fp32_chunk_cols(args->N, args->V) * (int64_t)sizeof(float) : 0);
         return RLK_OK;
     }
     const cudaStream_t s = (cudaStream_t)ctx->stream;
