@@ -351,8 +351,14 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
         ok = plan != RLK_PYTHON_ERROR;
         /* rows per block: each row needs its fp32 dH, its dz chunk and, unfused, its fp32 logits */
         const int64_t bytes_per_row = 4 * D + chunk * (elem + (fused ? 0 : 4));
-        int64_t block = max_workspace_bytes / bytes_per_row;
-        block = block < 1 ? 1 : block > N ? N : block;
+        const int64_t max_block = max_workspace_bytes / bytes_per_row < 1 ? 1 : max_workspace_bytes / bytes_per_row;
+        /* as few blocks as fit, of equal size rounded up to whole 128-row tiles where that still fits
+         * (16384 rows at D = 4096: four blocks of 4096, not three of 5120 and one of 1024); dH rows
+         * do not depend on the blocks, dW's one rounding per block does */
+        const int64_t blocks = (N + max_block - 1) / max_block;
+        int64_t block = (N + blocks - 1) / blocks;
+        block = (block + 127) / 128 * 128 <= max_block ? (block + 127) / 128 * 128 : block;
+        block = block > N ? N : block;
         const int64_t dh_bytes = aligned_bytes(4 * block * D), dz_bytes = aligned_bytes(elem * block * chunk);
         const int64_t floats = (dh_bytes + dz_bytes + (fused ? 0 : 4 * block * chunk) + 3) / 4;
         workspace = ok ? tensor_arg_new_like(&t[HIDDEN], "workspace", 1, &floats, RLK_F32) : NULL;
