@@ -357,6 +357,11 @@ __device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tenso
  * 4 consecutive columns each. */
 template <bool BF16, int D>
 __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams p) {
+#if __CUDA_ARCH__ >= 900
+    /* launched as a programmatic dependent of the split kernel (launch_fwd): its CTAs may start before
+     * the split kernel ends; this waits until it has ended and its records are visible */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     constexpr int LANES = D / 4, ROWS_PER_CTA = 128 / LANES;
     const int64_t row = (int64_t)blockIdx.x * ROWS_PER_CTA + threadIdx.x / LANES;
     const int j = threadIdx.x % LANES;
@@ -578,7 +583,7 @@ CallParams call_params(const rlk_attention_args *a) {
  * attention_fwd_kernel<BF16, D, false> and <BF16, D, true>. */
 template <bool BF16, int D, template <int, bool> class Tiles>
 int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream, void (*prefill)(FwdParams),
-               void (*split)(FwdParams)) {
+               void (*split)(FwdParams), bool dependent_combine) {
     static_assert(Tiles<D, true>::ROWS == SPLIT_ROWS, "pick_schedule sizes the split schedule by its CTA rows");
     FwdParams p{call_params(a)};
     p.partials = (float *)a->workspace;
@@ -608,10 +613,21 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
         err = cudaGetLastError();
         if (err != cudaSuccess) return (int)err;
     }
+    /* dependent_combine (a split kernel that triggers its dependents as it starts, sm90): the combine
+     * kernel is launched as a programmatic dependent, so its launch and CTA start-up overlap the split
+     * kernel and it waits (griddepcontrol.wait) only for that kernel's end; a B = 1 decode is a few
+     * microseconds long, and this was one launch gap of it */
     constexpr int ROWS_PER_CTA = 128 / (D / 4);
-    attention_combine_kernel<BF16, D>
-        <<<(unsigned)((p.rows_total + ROWS_PER_CTA - 1) / ROWS_PER_CTA), 128, 0, stream>>>(p);
-    return (int)cudaGetLastError();
+    cudaLaunchAttribute dependent;
+    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    dependent.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3((unsigned)((p.rows_total + ROWS_PER_CTA - 1) / ROWS_PER_CTA));
+    config.blockDim = dim3(128);
+    config.stream = stream;
+    config.attrs = &dependent;
+    config.numAttrs = dependent_combine && p.num_segments > 0 ? 1 : 0;
+    return (int)cudaLaunchKernelEx(&config, attention_combine_kernel<BF16, D>, p);
 }
 
 /* A backend's forward entry point (rlk_attention_fwd_<arch>_forced): the layout check, the schedule

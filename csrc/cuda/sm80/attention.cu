@@ -628,7 +628,7 @@ template <bool BF16, int D>
 struct Forward {
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                            attention_fwd_kernel<BF16, D, true>);
+                                            attention_fwd_kernel<BF16, D, true>, false);
     }
 };
 

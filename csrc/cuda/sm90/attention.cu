@@ -289,6 +289,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
     const int b = blockIdx.z;
+    /* the combine kernel may launch now; it waits for this grid's end before it reads (launch_fwd) */
+    if constexpr (SPLIT) asm volatile("griddepcontrol.launch_dependents;");
     FwdCta cta;
     if (!fwd_cta<ROWS, SPLIT>(p, cta)) return;
     const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
@@ -864,7 +866,7 @@ template <bool BF16, int D>
 struct Forward {
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                            attention_fwd_kernel<BF16, D, true>);
+                                            attention_fwd_kernel<BF16, D, true>, true);
     }
 };
 
