@@ -27,7 +27,8 @@
  *     read serves the whole group, two CTAs per SM (3-stage ring). It writes the segment state of each
  *     row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel (cuda/attention.cuh, as
  *     sm80's) merges each row's segments in increasing order and normalizes (head_dim / 4 threads per
- *     row, 4 columns each).
+ *     row, 4 columns each). It is launched as a programmatic dependent of the split kernel, which
+ *     triggers it as it starts, so its launch overlaps the split kernel (griddepcontrol).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
  * Shared memory (d = 128 / 64): prefill Q tile 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
