@@ -7,10 +7,11 @@
  * each backend's swizzle), the kernel parameters both directions read (CallParams) and the
  * forward's, the split-KV combine kernel, and the host side: the layout checks (supported), the
  * schedule choice, the split workspace, the forward launch (launch_fwd; each backend supplies its
- * tile plan and attention_fwd_kernel) and the forward's entry point (attention_fwd_entry); for the backward, its parameters (BwdParams), the
- * row-statistics kernel that runs first (attention_bwd_prep_kernel), the gradient rows' store
- * (store_acc_rows) and the entry point (attention_bwd_entry; each backend supplies its dK/dV and dQ
- * kernels). The contract is csrc/ops/attention.h.
+ * tile plan and attention_fwd_kernel) and the forward's entry point (attention_fwd_entry); for the
+ * backward, its parameters (BwdParams), the row-statistics kernel that runs first
+ * (attention_bwd_prep_kernel), the gradient rows' store (store_acc_rows) and the entry point
+ * (attention_bwd_entry; each backend supplies its dK/dV and dQ kernels). The contract is
+ * csrc/ops/attention.h.
  *
  * The merge and the normalization are the contract's "one shared function per backend": both
  * schedules of a backend (prefill kernel, split kernel + combine kernel) call them, every product

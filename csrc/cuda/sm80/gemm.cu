@@ -529,7 +529,9 @@ static int launch_gemm_fp32(const rlk_gemm_args *p, cudaStream_t stream) {
 /* bf16/fp16: 128 x 256 tiles; 128 x 128 (8 warps of 32 x 64) when even twice as many tiles fit in one
  * wave, so twice as many SMs work (a full wave of large tiles beats two of small ones). Both run the
  * same mma sequence for every output element, so the choice (by M and N) cannot change a row's bits;
- * the GPU tests compare every M of the sweep bitwise. fp32: the FFMA kernel. */
+ * the GPU tests compare every M of the sweep bitwise. fp32: the FFMA kernel on 128 x 128 tiles when
+ * there are at least as many as SMs, else 64 x 64; both run one fma per k in order for every element
+ * (tested bitwise against the CPU reference). */
 extern "C" int rlk_gemm_sm80(const rlk_gemm_args *args, rlk_context *ctx) {
     const bool fp32 = args->in_dtype == RLK_F32 && args->out_dtype == RLK_F32;
     const bool half = (args->in_dtype == RLK_BF16 || args->in_dtype == RLK_F16) &&
