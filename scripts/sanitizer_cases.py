@@ -37,6 +37,10 @@ def main():
         q = randn(2, 70, 4, 64).requires_grad_()
         k, v = randn(2, 70, 2, 64).requires_grad_(), randn(2, 70, 2, 64).requires_grad_()
         rl_kernels.attention(q, k, v).sum().backward()  # prefill schedule + backward
+        # more tiles than SMs (the sm90 prefill CTAs take several each), ragged: some tiles empty
+        cu = torch.tensor([0, 300, 310, 900], dtype=torch.int32, device="cuda")
+        rl_kernels.attention(randn(900, 48, 64), randn(900, 8, 64), randn(900, 8, 64), cu_seqlens_q=cu,
+                             cu_seqlens_k=cu, max_seqlen_q=590, max_seqlen_k=590)
         cache_k, cache_v = randn(2, 600, 2, 64), randn(2, 600, 2, 64)
         lengths = torch.tensor([530, 17], dtype=torch.int32, device="cuda")
         rl_kernels.attention_with_kvcache(randn(2, 1, 4, 64), cache_k, cache_v, lengths,

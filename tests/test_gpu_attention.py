@@ -232,6 +232,28 @@ def test_packing_orders_and_padding_bitwise(backend, causal):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_forward_repeats_bitwise_with_many_tiles_per_cta(backend):
+    # ~2,000 tiles of 128 rows on ~132 SMs: the sm90 prefill CTAs take tiles from a counter, so which
+    # CTA runs a tile (and after which tile: the Q and K/V ring carried over) changes run to run
+    lengths = [1500, 3, 700, 129, 2100, 64]
+    seqs = _sequences(lengths, seed=90)
+    q, k, v, cu = pack_sequences(seqs)
+    first = rl_kernels.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True, backend=backend)
+    for _ in range(4):
+        again = rl_kernels.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True, backend=backend)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    for i, s in enumerate(seqs):
+        alone = rl_kernels.attention(*s, return_lse=True, backend=backend)
+        a, e = int(cu[i]), int(cu[i + 1])
+        assert torch.equal(first[0][a:e], alone[0][0]), f"sequence {i}"
+        assert torch.equal(first[1][:, a:e], alone[1][0]), f"lse of sequence {i}"
+        sq, sk, sv = s
+        ref_out, ref_lse = attention_reference(sq[:, :, :4], sk[:, :, :1], sv[:, :, :1])  # kv head 0's group
+        assert (alone[0][:, :, :4].double() - ref_out).abs().max() <= 2e-2, f"sequence {i} vs fp64"
+        assert (alone[1][:, :4].double() - ref_lse).abs().max() <= 1e-4, f"lse of sequence {i} vs fp64"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_decode_batch_1_vs_16_and_stale_nan(backend):
     """16 caches of different lengths, NaN past each length: one batched decode step equals each
     sequence decoded alone and its prefill's row."""

@@ -241,14 +241,15 @@ __device__ __forceinline__ void finalize_row(float m, float l, const float (&o)[
  * of row `row` (sm80: rows of D elements, chunks XOR row % 8; sm90: the wgmma 128-byte boxes). */
 
 /* Row r from row_ptr(r), or zeros where row_ptr(r) is null (that memory is not read: cp.async with
- * 0 source bytes; `fallback` is any valid address). */
-template <int D, int ROWS, int THREADS, class Swizzle, class RowPtr>
+ * 0 source bytes; `fallback` is any valid address). ROLLED keeps the row loop a loop: a producer
+ * warp with few registers cannot hold every row's address at once. */
+template <int D, int ROWS, int THREADS, class Swizzle, bool ROLLED = false, class RowPtr>
 __device__ __forceinline__ void load_rows_async(uint32_t smem, RowPtr row_ptr, const void *fallback, int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
     static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
     constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
     const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
-#pragma unroll
+#pragma unroll(ROLLED ? 1 : ROWS / ROW_STEP)
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
         const int r = r0 + i * ROW_STEP;
         const uint16_t *src = row_ptr(r);
@@ -299,15 +300,19 @@ struct FwdParams : CallParams {
     float *partials; /* split: [batch][max_q_len][heads_q][num_segments] records {m, l, 0, 0, acc[D]} */
     int num_segments;
     int64_t rows_total; /* combine: batch * max_q_len * heads_q */
+    /* the forward's tiles, numbered x + grid_x (y + grid_y z) over (x, y, z) as fwd_cta reads them */
+    int grid_x, grid_y, tiles;
+    int *tile_counter; /* persistent prefill: tickets for the tiles after each CTA's first (zeroed) */
 };
 
-/* The rows and key blocks a forward CTA owns, decoded from the grid launch_fwd lays out (below):
- * prefill (head, row tile counted from the last: the causal tiles with the most keys start first,
- * sequence); split (segment, row tile x kv head, sequence). CTA row r is query (row0 + r) /
+/* The rows and key blocks of a forward tile, decoded from its number (FwdParams: x + grid_x (y +
+ * grid_y z)) in the layout launch_fwd gives it (below): prefill (head, row tile counted from the last:
+ * the causal tiles with the most keys come first, sequence); split (segment, row tile x kv head,
+ * sequence). A non-persistent kernel's tile is its CTA's blockIdx. Tile row r is query (row0 + r) /
  * rows_per_query of head head0 + (row0 + r) % rows_per_query; key blocks [block_begin, block_end). */
 struct FwdCta {
     SequenceRange range;
-    int segment, kv_head, head0, row0, rows_per_query, rows_in, block_begin, block_end, causal;
+    int b, segment, kv_head, head0, row0, rows_per_query, rows_in, block_begin, block_end, causal;
 
     __device__ __forceinline__ int query_of(int r) const { return (row0 + r) / rows_per_query; }
     __device__ __forceinline__ int head_of(int r) const { return head0 + (row0 + r) % rows_per_query; }
@@ -316,24 +321,28 @@ struct FwdCta {
     }
 };
 
-/* Fills cta for this CTA of the ROWS-row tiles; false when it has nothing to do (its sequence's
+__device__ __forceinline__ int block_tile() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
+
+/* Fills cta for tile `tile` of the ROWS-row tiles; false when it has nothing to do (its sequence's
  * query range is out of bounds, its tile past the sequence's rows, or its segment past the keys its
- * rows see: a prefill CTA whose rows see no key still writes them). */
+ * rows see: a prefill tile whose rows see no key still writes them). */
 template <int ROWS, bool SPLIT>
-__device__ __forceinline__ bool fwd_cta(const FwdParams &p, FwdCta &cta) {
-    if (!load_sequence(p.seq, blockIdx.z, cta.range, true)) return false;
+__device__ __forceinline__ bool fwd_cta(const FwdParams &p, int tile, FwdCta &cta) {
+    const int x = tile % p.grid_x, yz = tile / p.grid_x, y = yz % p.grid_y;
+    cta.b = yz / p.grid_y;
+    if (!load_sequence(p.seq, cta.b, cta.range, true)) return false;
     cta.causal = p.causal;
     cta.segment = 0;
     if (SPLIT) {
-        cta.segment = blockIdx.x;
-        cta.kv_head = blockIdx.y % p.heads_kv;
-        cta.row0 = (blockIdx.y / p.heads_kv) * ROWS;
+        cta.segment = x;
+        cta.kv_head = y % p.heads_kv;
+        cta.row0 = (y / p.heads_kv) * ROWS;
         cta.rows_per_query = p.group;
         cta.head0 = cta.kv_head * p.group;
     } else {
-        cta.head0 = blockIdx.x;
+        cta.head0 = x;
         cta.kv_head = cta.head0 / p.group;
-        cta.row0 = (gridDim.y - 1 - blockIdx.y) * ROWS;
+        cta.row0 = (p.grid_y - 1 - y) * ROWS;
         cta.rows_per_query = 1;
     }
     cta.rows_in = min(ROWS, cta.range.q_len * cta.rows_per_query - cta.row0);
@@ -578,34 +587,55 @@ CallParams call_params(const rlk_attention_args *a) {
     return p;
 }
 
-/* The forward of a backend on `stream`: the prefill kernel over (head, 64- or 128-row tile, sequence),
- * or the split kernel over (segment, row tile x kv head, sequence) and then the combine kernel.
- * Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES); prefill and split are its
- * attention_fwd_kernel<BF16, D, false> and <BF16, D, true>. */
+/* The forward of a backend on `stream`: the prefill kernel over the tiles (head, 64- or 128-row tile,
+ * sequence), or the split kernel over (segment, row tile x kv head, sequence) and then the combine
+ * kernel. Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES, MIN_CTAS,
+ * PERSISTENT); prefill and split are its attention_fwd_kernel<BF16, D, false> and <BF16, D, true>.
+ * A PERSISTENT prefill plan gets MIN_CTAS CTAs per SM (fewer when there are fewer tiles), each taking
+ * tile blockIdx.x first and then tickets from a counter in the workspace (prefill_workspace_bytes),
+ * zeroed here. */
 template <bool BF16, int D, template <int, bool> class Tiles>
 int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream, void (*prefill)(FwdParams),
                void (*split)(FwdParams), bool dependent_combine) {
     static_assert(Tiles<D, true>::ROWS == SPLIT_ROWS, "pick_schedule sizes the split schedule by its CTA rows");
+    static_assert(!Tiles<D, true>::PERSISTENT, "the split schedule's grid is a CTA per tile");
     FwdParams p{call_params(a)};
     p.partials = (float *)a->workspace;
     p.num_segments = (int)split_segments(a);
     p.rows_total = a->batch * a->max_q_len * a->heads_q;
+    p.tile_counter = nullptr;
     if (p.rows_total == 0) return RLK_OK;
 
     cudaError_t err;
     if (schedule == SCHEDULE_PREFILL) {
         using PrefillTiles = Tiles<D, false>;
-        const int64_t tiles = (a->max_q_len + PrefillTiles::ROWS - 1) / PrefillTiles::ROWS;
-        if (tiles > 65535) return RLK_UNSUPPORTED;
+        const int64_t row_tiles = (a->max_q_len + PrefillTiles::ROWS - 1) / PrefillTiles::ROWS;
+        const int64_t tiles = row_tiles * a->heads_q * a->batch;
+        if (row_tiles > 65535 || tiles > INT32_MAX) return RLK_UNSUPPORTED;
+        p.grid_x = p.heads_q;
+        p.grid_y = (int)row_tiles;
+        p.tiles = (int)tiles;
         err = cudaFuncSetAttribute(prefill, cudaFuncAttributeMaxDynamicSharedMemorySize, PrefillTiles::SMEM_BYTES);
         if (err != cudaSuccess) return (int)err;
-        prefill<<<dim3((unsigned)a->heads_q, (unsigned)tiles, (unsigned)a->batch), PrefillTiles::THREADS,
-                  PrefillTiles::SMEM_BYTES, stream>>>(p);
+        dim3 grid((unsigned)a->heads_q, (unsigned)row_tiles, (unsigned)a->batch);
+        if (PrefillTiles::PERSISTENT) {
+            int device, sms;
+            err = cudaGetDevice(&device);
+            if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+            p.tile_counter = (int *)a->workspace;
+            if (err == cudaSuccess) err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
+            if (err != cudaSuccess) return (int)err;
+            grid = dim3((unsigned)(tiles < (int64_t)sms * PrefillTiles::MIN_CTAS ? tiles : sms * PrefillTiles::MIN_CTAS));
+        }
+        prefill<<<grid, PrefillTiles::THREADS, PrefillTiles::SMEM_BYTES, stream>>>(p);
         return (int)cudaGetLastError();
     }
     using SplitTiles = Tiles<D, true>;
     const int64_t row_tiles = (a->max_q_len * p.group + SplitTiles::ROWS - 1) / SplitTiles::ROWS;
     if (row_tiles * a->heads_kv > 65535) return RLK_UNSUPPORTED;
+    p.grid_x = p.num_segments;
+    p.grid_y = (int)(row_tiles * a->heads_kv);
+    p.tiles = (int)(p.grid_x * row_tiles * a->heads_kv * a->batch);
     if (p.num_segments > 0) {
         err = cudaFuncSetAttribute(split, cudaFuncAttributeMaxDynamicSharedMemorySize, SplitTiles::SMEM_BYTES);
         if (err != cudaSuccess) return (int)err;
@@ -633,7 +663,8 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
 
 /* A backend's forward entry point (rlk_attention_fwd_<arch>_forced): the layout check, the schedule
  * (forced: 1 the prefill kernel, 2 the split-KV kernels, 0 as pick_schedule decides; the bits do not
- * depend on it), the kernel's name and, when planning, the split workspace; then the backend's
+ * depend on it), the kernel's name and, when planning, the workspace (split: the segment records;
+ * prefill: Forward::prefill_workspace_bytes(), a persistent plan's tile counter); then the backend's
  * Forward<BF16, D>::run (launch_fwd with its tile plan and kernels) for the dtype and head dim. */
 template <template <bool, int> class Forward>
 int attention_fwd_entry(const rlk_attention_args *args, rlk_context *ctx, int forced, const char *prefill_kernel,
@@ -642,7 +673,9 @@ int attention_fwd_entry(const rlk_attention_args *args, rlk_context *ctx, int fo
     const FwdSchedule s = pick_schedule(args, forced);
     ctx->kernel = s == SCHEDULE_SPLIT ? split_kernel : prefill_kernel;
     if (ctx->plan_only) {
-        ctx->workspace_bytes = s == SCHEDULE_SPLIT ? split_workspace_bytes(args) : 0;
+        ctx->workspace_bytes = s == SCHEDULE_SPLIT        ? split_workspace_bytes(args)
+                               : args->head_dim == 64 ? Forward<true, 64>::prefill_workspace_bytes()
+                                                      : Forward<true, 128>::prefill_workspace_bytes();
         return RLK_OK;
     }
     cudaStream_t stream = (cudaStream_t)ctx->stream;

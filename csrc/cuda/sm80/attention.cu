@@ -220,6 +220,7 @@ struct FwdTiles {
     static constexpr int Q_BYTES = ROWS * D * 2;
     static constexpr int SMEM_BYTES = Q_BYTES + STAGES * 2 * KV_BYTES;
     static constexpr int MIN_CTAS = 2;
+    static constexpr bool PERSISTENT = false; /* a CTA per tile */
 };
 
 template <bool BF16, int D, bool SPLIT>
@@ -232,9 +233,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int b = blockIdx.z;
     FwdCta cta;
-    if (!fwd_cta<ROWS, SPLIT>(p, cta)) return;
+    if (!fwd_cta<ROWS, SPLIT>(p, block_tile(), cta)) return;
+    const int b = cta.b;
     const int blocks = cta.block_end - cta.block_begin;
     const int warp_row0 = warp * 16;
     const bool warp_has_rows = warp_row0 < cta.rows_in;
@@ -626,6 +627,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
 
 template <bool BF16, int D>
 struct Forward {
+    static constexpr int64_t prefill_workspace_bytes() { return FwdTiles<D, false>::PERSISTENT ? sizeof(int) : 0; }
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
                                             attention_fwd_kernel<BF16, D, true>, false);

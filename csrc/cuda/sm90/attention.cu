@@ -5,11 +5,15 @@
  * into blocks of 64; a segment's softmax state (m, l, acc) is built block by block from empty, and
  * the segments' states are merged in increasing order into the row state, which is normalized at the
  * end. Two schedules run that same arithmetic:
- *   attention_fwd_kernel<SPLIT = false> (prefill, training, chunked prefill): a CTA owns 128 query
- *     rows of one (sequence, head): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a
- *     producer warpgroup (setmaxnreg: 40 registers, consumers 232) that streams K and V blocks of 64
- *     keys with cp.async into a 4-stage ring completing on mbarriers (full: the producer's copies have
- *     landed and were fenced for the tensor cores; empty: every consumer warp is done with the stage).
+ *   attention_fwd_kernel<SPLIT = false> (prefill, training, chunked prefill): persistent, one CTA
+ *     per SM taking tiles of 128 query rows of one (sequence, head) one after the other (its
+ *     blockIdx.x, then tickets from an atomic counter, in the order of the heaviest causal tiles
+ *     first): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a producer warpgroup
+ *     (setmaxnreg: 48 registers, consumers 224) that loads each tile's Q and streams its K and V
+ *     blocks of 64 keys with cp.async into a 4-stage ring completing on mbarriers (full: the
+ *     producer's copies have landed and were fenced for the tensor cores; empty: every consumer warp
+ *     is done with the stage), one stream across the tiles, so the next tile's Q and first blocks
+ *     load while the consumers finish the current one.
  *     Every tile is stored in the wgmma 128-byte swizzle (boxes of rows x 64 elements, 16-byte chunk c
  *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n64k16 over
  *     head_dim, Q and K from shared memory, K-major), the online-softmax update in registers, then
@@ -34,7 +38,7 @@
  * Shared memory (d = 128 / 64): prefill Q tile 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
  * 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB; + 1 KB in which the
  * mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no spills): prefill 168
- * at entry (consumers then 232, they need <= 168; producer 40), split 128 (consumer 216), combine 136.
+ * at entry (consumers then 224, they need <= 168; producer 48), split 128 (consumer 208), combine 136.
  * Speed, what limits it and what was tried: docs/perf-notes.md ("Attention forward on wgmma");
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
@@ -145,26 +149,27 @@ struct Ring {
             mbar_init(empty_bar + 8 * s, consumer_warps);
         }
     }
-    /* producer warpgroup: for j < count, waits until stage j % STAGES is free, issues load(j, stage)
-     * (this thread's cp.async copies), and once item j - 1's copies have landed (cp.async.wait_group,
-     * then fence.proxy.async so the tensor cores see them) marks that item full */
+    /* producer warpgroup: for the items first + j, j < count, waits until the item's stage is free,
+     * issues load(j, stage) (this thread's cp.async copies), and once item j - 1's copies have landed
+     * (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) marks that item full;
+     * on return every item is marked full */
     template <class Load>
-    __device__ __forceinline__ void produce(int count, Load load) const {
+    __device__ __forceinline__ void produce(int first, int count, Load load) const {
         for (int j = 0; j < count; ++j) {
-            const int s = j % STAGES;
-            mbar_wait(empty_bar + 8 * s, ((j / STAGES) & 1) ^ 1);
+            const int s = (first + j) % STAGES;
+            mbar_wait(empty_bar + 8 * s, (((first + j) / STAGES) & 1) ^ 1);
             load(j, s);
             cp_async_commit();
             if (j > 0) {
                 cp_async_wait<1>();
                 fence_proxy_async_smem();
-                mbar_arrive(full_bar + 8 * ((j - 1) % STAGES));
+                mbar_arrive(full_bar + 8 * ((first + j - 1) % STAGES));
             }
         }
         if (count > 0) {
             cp_async_wait<0>();
             fence_proxy_async_smem();
-            mbar_arrive(full_bar + 8 * ((count - 1) % STAGES));
+            mbar_arrive(full_bar + 8 * ((first + count - 1) % STAGES));
         }
     }
     __device__ __forceinline__ void wait_full(int j) const { mbar_wait(full_bar + 8 * (j % STAGES), (j / STAGES) & 1); }
@@ -233,8 +238,8 @@ __device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], co
  * registers a thread; split 1, two CTAs per SM) and one producer warpgroup that streams the K and V
  * blocks into a ring of STAGES stages. setmaxnreg moves registers from the producer (PRODUCER_REGS)
  * to the consumers (CONSUMER_REGS) from the even share the launch bounds give (ENTRY_REGS).
- * Shared memory: the ring's full and empty mbarriers, then from the next TILE_ALIGN boundary the Q
- * tile, the ring ((K, V) per stage) and (prefill) the row states' o; the barriers live in the
+ * Shared memory: the mbarriers and tile slots, then from the next TILE_ALIGN boundary the Q tile,
+ * the ring ((K, V) per stage) and (prefill) the row states' o; the barriers live in the
  * alignment slack (the dynamic shared memory starts 1024-aligned in practice; the kernel traps if it
  * ever did not leave them room). */
 template <int D, bool SPLIT>
@@ -250,29 +255,41 @@ struct FwdTiles {
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
-    static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
+    /* the ring's 2 STAGES mbarriers, q_free, tile_ready[2], then the two tile slots (ints) */
+    static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + 3 * 8 + 2 * 4;
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
     static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
+    /* prefill: one CTA per SM takes tile after tile (launch_fwd); split: a CTA per tile */
+    static constexpr bool PERSISTENT = !SPLIT;
     static constexpr int ENTRY_REGS = (65536 / (THREADS * MIN_CTAS)) & ~7;
-    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int PRODUCER_REGS = 48;
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
     static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
 };
 
-/* Pipeline, per CTA (blocks: the CTA's 64-key blocks, relative index j):
- *   producer warp: for each j, waits until stage j % STAGES is free (empty barrier: every consumer
- *     warp has released the block that used it before), copies K and V of block j into it with
- *     cp.async (rows past k_len zero-filled, not read), and once they have landed (cp.async.wait_group,
- *     then fence.proxy.async so the tensor cores see them) arrives on the stage's full barrier.
- *   consumer warpgroup: turns t = 0 .. blocks; turn t waits for block t to be full, then issues two
- *     commit groups: S of block t (its K), then P V of block t - 1 (its V). Once S has landed it runs
- *     the scores part of block t's update (max, alpha, p, l: block_scores) while that P V is still on
- *     the tensor cores; once P V has landed it releases block t - 1, merges a finished segment into
- *     the row state, and rescales acc by block t's alpha and rounds P (block_operands), as the
- *     contract's order acc = alpha acc + P V wants. A warpgroup whose rows cannot see block t
- *     (nb <= t) issues nothing for it but still waits and releases, so the barriers' phases stay in
- *     step. The two consumer warpgroups run unsynchronized; their wgmmas and softmaxes interleave on
- *     their own (forced turn-taking with named barriers measured 6% slower). */
+/* Pipeline, per CTA. The CTA takes tiles (rows of one (sequence, head) or, split, of one (sequence,
+ * kv head, segment)) one after the other: a split CTA its blockIdx only; a prefill CTA tile blockIdx.x,
+ * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
+ * launch. Its 64-key blocks are the items of one ring stream across the tiles (tile n's relative
+ * block t is item first + t).
+ *   producer warp: thread 0 picks tile n (skipping tiles with nothing to do), waits until every
+ *     consumer warp is done with tile n - 1's Q tile (q_free: its last S has landed), and publishes
+ *     the tile's number in slot n % 2 (tile_ready[n % 2]; -1 ends the CTA). Then for each block j of
+ *     the tile, the warpgroup waits until stage j % STAGES is free (empty barrier: every consumer warp
+ *     has released the block that used it before), copies K and V of block j into it with cp.async
+ *     (rows past k_len zero-filled, not read; block 0 brings the tile's Q rows along), and once they
+ *     have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives
+ *     on the stage's full barrier. So the next tile's Q and first blocks load while the consumers
+ *     finish and store the current one.
+ *   consumer warpgroup, per tile: turns t = 0 .. blocks; turn t waits for block t to be full, then
+ *     issues two commit groups: S of block t (its K), then P V of block t - 1 (its V). Once S has
+ *     landed it runs the scores part of block t's update (max, alpha, p, l: block_scores) while that
+ *     P V is still on the tensor cores; once P V has landed it releases block t - 1, merges a
+ *     finished segment into the row state, and rescales acc by block t's alpha and rounds P
+ *     (block_operands), as the contract's order acc = alpha acc + P V wants. A warpgroup whose rows
+ *     cannot see block t (nb <= t) issues nothing for it but still waits and releases, so the
+ *     barriers' phases stay in step. The two consumer warpgroups run unsynchronized; their wgmmas and
+ *     softmaxes interleave on their own (forced turn-taking with named barriers measured 6% slower). */
 template <bool BF16, int D, bool SPLIT>
 __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT>::MIN_CTAS)
     attention_fwd_kernel(const FwdParams p) {
@@ -281,88 +298,86 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     constexpr int WARPGROUPS = Tiles::WARPGROUPS;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t full_bar = smem_u32(smem_raw);
+    const Ring<STAGES> ring{full_bar, full_bar + 8 * STAGES};
+    const uint32_t q_free_bar = full_bar + 16 * STAGES, tile_ready_bar = q_free_bar + 8; /* + 8 (n % 2) */
+    volatile int *tile_slot = (volatile int *)(smem_raw + 16 * STAGES + 24);
     const uint32_t q_tile = first_tile(full_bar, Tiles::BARRIER_BYTES);
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
 
-    /* wg, blocks and nb are broadcast from lane 0 (__shfl_sync) so that the compiler knows them
+    /* wg, tile, blocks and nb are broadcast from lane 0 (__shfl_sync) so that the compiler knows them
      * warp-uniform: the turn loop's stage offsets and wgmma descriptors then live in uniform registers */
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
-    const int b = blockIdx.z;
     /* the combine kernel may launch now; it waits for this grid's end before it reads (launch_fwd) */
     if constexpr (SPLIT) asm volatile("griddepcontrol.launch_dependents;");
-    FwdCta cta;
-    if (!fwd_cta<ROWS, SPLIT>(p, cta)) return;
-    const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
-    const int64_t q_row0 = cta.range.q_start, k_row0 = cta.range.k_start;
-
-    const Ring<STAGES> ring{full_bar, full_bar + 8 * STAGES};
-    if (tid == 0) ring.init(4 * WARPGROUPS);
-    if (tid < Tiles::CONSUMER_THREADS) {
-        load_rows_async<D, ROWS, Tiles::CONSUMER_THREADS, BoxSwizzle<ROWS>>(
-            q_tile,
-            [&](int r) -> const uint16_t * {
-                return r < cta.rows_in ? row_address(p.q, b, q_row0 + cta.query_of(r), cta.head_of(r)) : nullptr;
-            },
-            p.q.data, tid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_proxy_async_smem(); /* this thread's copies, visible to the tensor cores' reads */
+    if (tid == 0) {
+        ring.init(4 * WARPGROUPS);
+        mbar_init(q_free_bar, 4 * WARPGROUPS);
+        mbar_init(tile_ready_bar, 1);
+        mbar_init(tile_ready_bar + 8, 1);
     }
-    __syncthreads(); /* the Q tile and the initialized barriers */
+    __syncthreads(); /* the initialized barriers */
+
+    /* tile n of this CTA (the same sequence for every thread: the producer's thread 0 publishes it) */
+    auto tile_of = [&](int n) {
+        mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
+        return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0);
+    };
 
     if (wg == WARPGROUPS) {
-        /* producer warpgroup: K and V of relative block j into stage j % STAGES; this thread's source
-         * rows are two running pointers; rows past k_len are zeros (p = 0 there, and 0 * (stale NaN)
-         * would poison acc) */
+        /* producer warpgroup. K and V of the tile's relative block j into stage (first + j) % STAGES;
+         * this thread's source rows are two running pointers; rows past k_len are zeros (p = 0 there,
+         * and 0 * (stale NaN) would poison acc) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
         const int ptid = tid - Tiles::CONSUMER_THREADS;
-        const int64_t thread_row = k_row0 + cta.block_begin * BLOCK_N + ptid / (D / 8);
-        const int64_t thread_col = 8 * (ptid % (D / 8));
-        const uint16_t *k_src = row_address(p.k, b, thread_row, cta.kv_head) + thread_col;
-        const uint16_t *v_src = row_address(p.v, b, thread_row, cta.kv_head) + thread_col;
-        ring.produce(blocks, [&](int j, int s) {
-            const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
-            const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
-            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
-            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
-            k_src += BLOCK_N * p.k.row_stride;
-            v_src += BLOCK_N * p.v.row_stride;
-        });
+        int next = Tiles::PERSISTENT ? (int)blockIdx.x : block_tile(), first = 0;
+        auto ticket = [&]() { return Tiles::PERSISTENT ? (int)gridDim.x + atomicAdd(p.tile_counter, 1) : p.tiles; };
+        for (int n = 0;; ++n) {
+            if (ptid == 0) {
+                FwdCta probe;
+                while (next < p.tiles && !fwd_cta<ROWS, SPLIT>(p, next, probe)) next = ticket();
+                if (n > 0) mbar_wait(q_free_bar, (n - 1) & 1);
+                tile_slot[n & 1] = next < p.tiles ? next : -1;
+                mbar_arrive(tile_ready_bar + 8 * (n & 1));
+                if (next < p.tiles) next = ticket();
+            }
+            const int tile = tile_of(n);
+            if (tile < 0) break;
+            FwdCta cta;
+            fwd_cta<ROWS, SPLIT>(p, tile, cta);
+            const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
+            const int64_t thread_row = cta.range.k_start + cta.block_begin * BLOCK_N + ptid / (D / 8);
+            const int64_t thread_col = 8 * (ptid % (D / 8));
+            const uint16_t *k_src = row_address(p.k, cta.b, thread_row, cta.kv_head) + thread_col;
+            const uint16_t *v_src = row_address(p.v, cta.b, thread_row, cta.kv_head) + thread_col;
+            ring.produce(first, blocks, [&](int j, int s) {
+                if (j == 0)
+                    load_rows_async<D, ROWS, 128, BoxSwizzle<ROWS>, true>(
+                        q_tile,
+                        [&](int r) -> const uint16_t * {
+                            return r < cta.rows_in ? row_address(p.q, cta.b, cta.range.q_start + cta.query_of(r), cta.head_of(r))
+                                                   : nullptr;
+                        },
+                        p.q.data, ptid);
+                const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
+                const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
+                load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
+                load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
+                k_src += BLOCK_N * p.k.row_stride;
+                v_src += BLOCK_N * p.v.row_stride;
+            });
+            first += blocks;
+        }
     } else {
-        /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of the tile */
+        /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of each tile */
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
         const int wg_row0 = wg * 64;
-        const bool wg_has_rows = wg_row0 < cta.rows_in;
-        const int wg_max_len = wg_has_rows ? cta.len_of(min(wg_row0 + 63, cta.rows_in - 1)) : 0;
-        const int wg_min_len = wg_has_rows ? cta.len_of(wg_row0) : 0;
-        /* the blocks it attends: those with a key its last row sees, a prefix of the CTA's blocks */
-        const int nb =
-            __shfl_sync(0xffffffffu, min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - cta.block_begin)), 0);
         const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
-        int row_len[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = thread_row0 + 8 * h;
-            row_len[h] = r < cta.rows_in ? cta.len_of(r) : 0;
-        }
-
-        RowPair seg;
-        set_empty(seg);
-        float acc[D / 2];
-        RowPair row; /* prefill: the row state the segments merge into; its o[i] at o_state[i * CONSUMER_THREADS] */
-        set_empty(row);
         float *o_state = (float *)(smem_raw + (kv_ring + Tiles::RING_BYTES - full_bar)) + tid;
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
-        if constexpr (!SPLIT) {
-#pragma unroll
-            for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
-        }
         const SmemDesc q_desc = k_major_desc(q_tile + wg_row0 * 128);
         const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc(kv_ring + KV_BYTES);
-        float s[BLOCK_N / 2], alpha[2];
+        float s[BLOCK_N / 2], alpha[2], acc[D / 2];
         uint32_t pa[BLOCK_N / 16][4];
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.0f;
@@ -370,15 +385,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         for (int t = 0; t < BLOCK_N / 16; ++t)
 #pragma unroll
             for (int i = 0; i < 4; ++i) pa[t][i] = 0u;
-
-        /* turn t: wait for block t (t < blocks), issue, wait for the wgmmas, release block t - 1 */
-        auto wait_full = [&](int t) {
-            if (t < blocks) ring.wait_full(t);
-        };
-        auto release = [&](int t) {
-            if (t >= 1) ring.release(t - 1, lane);
-        };
-        auto stage_bytes = [&](int t) { return (uint32_t)((t % STAGES) * 2 * KV_BYTES); };
         /* keeps the registers of in-flight wgmmas (pa too: P V reads it) live and in place */
         auto fence_registers = [&]() {
             fence_accumulators(acc);
@@ -386,118 +392,169 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 #pragma unroll
             for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
         };
-        auto scores = [&](int t) {
-            const int key0 = (cta.block_begin + t) * BLOCK_N;
-            block_scores(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha);
+        /* this warp is done with the tile's Q rows (its last S has landed, or it issues none) */
+        auto free_q = [&]() {
+            if (lane == 0) mbar_arrive(q_free_bar);
         };
-        /* prefill: block t starts a segment, so the one before it ended one */
-        auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % BLOCKS_PER_SEGMENT == 0; };
-        /* prefill: merges an ended segment (its m and l in `ended`, its acc) into the row state; acc
-         * restarts from zero */
-        auto merge_ended = [&](const RowPair &ended) {
+
+        int first = 0;
+        for (int n = 0;; ++n) {
+            const int tile = tile_of(n);
+            if (tile < 0) break;
+            FwdCta cta;
+            fwd_cta<ROWS, SPLIT>(p, tile, cta);
+            const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
+            const bool wg_has_rows = wg_row0 < cta.rows_in;
+            const int wg_max_len = wg_has_rows ? cta.len_of(min(wg_row0 + 63, cta.rows_in - 1)) : 0;
+            const int wg_min_len = wg_has_rows ? cta.len_of(wg_row0) : 0;
+            /* the blocks it attends: those with a key its last row sees, a prefix of the tile's blocks */
+            const int nb = __shfl_sync(0xffffffffu,
+                                       min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - cta.block_begin)), 0);
+            int row_len[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = thread_row0 + 8 * h;
+                row_len[h] = r < cta.rows_in ? cta.len_of(r) : 0;
+            }
+
+            RowPair seg, row; /* prefill: row is the row state the segments merge into; its o[i] at
+                                 o_state[i * CONSUMER_THREADS] */
+            set_empty(seg);
+            set_empty(row);
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
             if constexpr (!SPLIT) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float o_row[D / 4], acc_row[D / 4];
-#pragma unroll
-                    for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
-                            acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
-                        }
-                    merge_segment<D / 4>(row.m[h], row.l[h], o_row, ended.m[h], ended.l[h], acc_row, p.scale_log2);
-#pragma unroll
-                    for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS] = o_row[2 * j + e];
-                            acc[4 * j + 2 * h + e] = 0.0f;
-                        }
-                }
+                for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
             }
-        };
 
-        int t = 0;
-        if (nb > 0) {
-            /* turn 0: S of block 0 */
-            wait_full(0);
-            fence_registers();
-            wgmma_fence();
-            issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(0));
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_registers();
-            scores(0);
-            block_operands<BF16, D>(s, alpha, acc, pa);
-            /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
-             * softmax runs while that P V is on the tensor cores */
-            for (t = 1; t < nb; ++t) {
-                wait_full(t);
+            /* turn t: wait for block t (t < blocks), issue, wait for the wgmmas, release block t - 1 */
+            auto wait_full = [&](int t) {
+                if (t < blocks) ring.wait_full(first + t);
+            };
+            auto release = [&](int t) {
+                if (t >= 1) ring.release(first + t - 1, lane);
+            };
+            auto stage_bytes = [&](int t) { return (uint32_t)(((first + t) % STAGES) * 2 * KV_BYTES); };
+            auto scores = [&](int t) {
+                const int key0 = (cta.block_begin + t) * BLOCK_N;
+                block_scores(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha);
+            };
+            /* prefill: block t starts a segment, so the one before it ended one */
+            auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % BLOCKS_PER_SEGMENT == 0; };
+            /* prefill: merges an ended segment (its m and l in `ended`, its acc) into the row state;
+             * acc restarts from zero */
+            auto merge_ended = [&](const RowPair &ended) {
+                if constexpr (!SPLIT) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float o_row[D / 4], acc_row[D / 4];
+#pragma unroll
+                        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                                acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
+                            }
+                        merge_segment<D / 4>(row.m[h], row.l[h], o_row, ended.m[h], ended.l[h], acc_row, p.scale_log2);
+#pragma unroll
+                        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS] = o_row[2 * j + e];
+                                acc[4 * j + 2 * h + e] = 0.0f;
+                            }
+                    }
+                }
+            };
+
+            int t = 0;
+            if (nb > 0) {
+                /* turn 0: S of block 0 */
+                wait_full(0);
                 fence_registers();
                 wgmma_fence();
-                issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(t));
+                issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(0));
                 wgmma_commit();
-                issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1));
-                wgmma_commit();
-                wgmma_wait<1>();
-                fence_accumulators(s);
-                const RowPair ended = seg;
-                const bool new_segment = starts_segment(t);
-                if (new_segment) set_empty(seg);
-                scores(t);
                 wgmma_wait<0>();
                 fence_registers();
-                release(t);
-                if (new_segment) merge_ended(ended);
+                if (nb == 1) free_q();
+                scores(0);
                 block_operands<BF16, D>(s, alpha, acc, pa);
-            }
-            /* turn nb: P V of the last block */
-            wait_full(nb);
-            fence_registers();
-            wgmma_fence();
-            issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1));
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_registers();
-            release(nb);
-            merge_ended(seg);
-            t = nb + 1;
-        }
-        /* the blocks its rows cannot see: keep the barriers' phases in step */
-        for (; t <= blocks; ++t) {
-            wait_full(t);
-            release(t);
-        }
-
-        const int col = 2 * (lane & 3);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = thread_row0 + 8 * h;
-            if (r >= cta.rows_in) continue;
-            const int i = cta.query_of(r), head = cta.head_of(r);
-            if constexpr (SPLIT) {
-                const int64_t record =
-                    (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + cta.segment;
-                float *rec = p.partials + record * (D + 4);
-                if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
-#pragma unroll
-                for (int j = 0; j < D / 8; ++j)
-                    *(float2 *)(rec + 4 + j * 8 + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
+                 * softmax runs while that P V is on the tensor cores */
+                for (t = 1; t < nb; ++t) {
+                    wait_full(t);
+                    fence_registers();
+                    wgmma_fence();
+                    issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(t));
+                    wgmma_commit();
+                    issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1));
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                    fence_accumulators(s);
+                    if (t == nb - 1) free_q();
+                    const RowPair ended = seg;
+                    const bool new_segment = starts_segment(t);
+                    if (new_segment) set_empty(seg);
+                    scores(t);
+                    wgmma_wait<0>();
+                    fence_registers();
+                    release(t);
+                    if (new_segment) merge_ended(ended);
+                    block_operands<BF16, D>(s, alpha, acc, pa);
+                }
+                /* turn nb: P V of the last block */
+                wait_full(nb);
+                fence_registers();
+                wgmma_fence();
+                issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1));
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_registers();
+                release(nb);
+                merge_ended(seg);
+                t = nb + 1;
             } else {
-                float o_row[D / 4], y[D / 4], lse;
+                free_q();
+            }
+            /* the blocks its rows cannot see: keep the barriers' phases in step */
+            for (; t <= blocks; ++t) {
+                wait_full(t);
+                release(t);
+            }
+            first += blocks;
+
+            const int col = 2 * (lane & 3);
 #pragma unroll
-                for (int j = 0; j < D / 8; ++j)
+            for (int h = 0; h < 2; ++h) {
+                const int r = thread_row0 + 8 * h;
+                if (r >= cta.rows_in) continue;
+                const int i = cta.query_of(r), head = cta.head_of(r);
+                if constexpr (SPLIT) {
+                    const int64_t record =
+                        (((int64_t)cta.b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + cta.segment;
+                    float *rec = p.partials + record * (D + 4);
+                    if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
-                finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
-                uint16_t *dst = (uint16_t *)row_address(p.out, b, q_row0 + i, head) + col;
+                    for (int j = 0; j < D / 8; ++j)
+                        *(float2 *)(rec + 4 + j * 8 + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                } else {
+                    float o_row[D / 4], y[D / 4], lse;
 #pragma unroll
-                for (int j = 0; j < D / 8; ++j) *(uint32_t *)(dst + j * 8) = pack_half2<BF16>(y[2 * j], y[2 * j + 1]);
-                if ((lane & 3) == 0 && p.lse.data)
-                    ((float *)p.lse.data)[b * p.lse.batch_stride + (q_row0 + i) * p.lse.row_stride +
-                                          head * p.lse.head_stride] = lse;
+                    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                    finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
+                    const int64_t q_row = cta.range.q_start + i;
+                    uint16_t *dst = (uint16_t *)row_address(p.out, cta.b, q_row, head) + col;
+#pragma unroll
+                    for (int j = 0; j < D / 8; ++j) *(uint32_t *)(dst + j * 8) = pack_half2<BF16>(y[2 * j], y[2 * j + 1]);
+                    if ((lane & 3) == 0 && p.lse.data)
+                        ((float *)p.lse.data)[cta.b * p.lse.batch_stride + q_row * p.lse.row_stride +
+                                              head * p.lse.head_stride] = lse;
+                }
             }
         }
     }
@@ -636,7 +693,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
         const int ptid = tid - 128 * Tiles::WARPGROUPS;
         const int thread_row = ptid / (D / 8), thread_col = 8 * (ptid % (D / 8));
         int head = kv_head * p.group, q0 = qb_begin * BLOCK_N; /* query_block(it), counted along */
-        ring.produce(iters, [&](int, int s) {
+        ring.produce(0, iters, [&](int, int s) {
             const int rows_in = min(BLOCK_N, q_len - q0);
             const uint32_t dst = ring_tiles + s * STAGE_BYTES;
             const int64_t row = q_row0 + q0 + thread_row;
@@ -771,7 +828,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
         const int64_t thread_col = 8 * (ptid % (D / 8));
         const uint16_t *k_src = row_address(p.k, b, thread_row, kv_head) + thread_col;
         const uint16_t *v_src = row_address(p.v, b, thread_row, kv_head) + thread_col;
-        ring.produce(blocks, [&](int j, int s) {
+        ring.produce(0, blocks, [&](int j, int s) {
             const uint32_t dst = ring_tiles + s * STAGE_BYTES;
             const int keys_in = k_len - j * BLOCK_N;
             load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
@@ -865,6 +922,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
 
 template <bool BF16, int D>
 struct Forward {
+    static constexpr int64_t prefill_workspace_bytes() { return FwdTiles<D, false>::PERSISTENT ? sizeof(int) : 0; }
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
                                             attention_fwd_kernel<BF16, D, true>, true);
