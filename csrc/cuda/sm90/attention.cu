@@ -255,8 +255,8 @@ struct FwdTiles {
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
-    /* the ring's 2 STAGES mbarriers, q_free, tile_ready[2], then the two tile slots (ints) */
-    static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + 3 * 8 + 2 * 4;
+    /* the ring's 2 STAGES mbarriers, then the two tile slots (ints) */
+    static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + 2 * 4;
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
     static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
     /* prefill: one CTA per SM takes tile after tile (launch_fwd); split: a CTA per tile */
@@ -271,11 +271,12 @@ struct FwdTiles {
  * kv head, segment)) one after the other: a split CTA its blockIdx only; a prefill CTA tile blockIdx.x,
  * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
  * launch. Its 64-key blocks are the items of one ring stream across the tiles (tile n's relative
- * block t is item first + t).
- *   producer warp: thread 0 picks tile n (skipping tiles with nothing to do), waits until every
- *     consumer warp is done with tile n - 1's Q tile (q_free: its last S has landed), and publishes
- *     the tile's number in slot n % 2 (tile_ready[n % 2]; -1 ends the CTA). Then for each block j of
- *     the tile, the warpgroup waits until stage j % STAGES is free (empty barrier: every consumer warp
+ * block t is item first + t). Tile n's number sits in slot n % 2 (-1: no more tiles); every thread
+ * reads it after the hand-off barrier of tile n - 1 (a named barrier of the whole CTA that the
+ * producer reaches once it has issued the tile's blocks and written the next number, and a consumer
+ * warp once it is done with the tile's Q), so the barrier both publishes the next tile and frees the
+ * Q tile for it, and a slot is rewritten only after everyone has read it.
+ *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty barrier: every consumer warp
  *     has released the block that used it before), copies K and V of block j into it with cp.async
  *     (rows past k_len zero-filled, not read; block 0 brings the tile's Q rows along), and once they
  *     have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives
@@ -299,8 +300,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     extern __shared__ unsigned char smem_raw[];
     const uint32_t full_bar = smem_u32(smem_raw);
     const Ring<STAGES> ring{full_bar, full_bar + 8 * STAGES};
-    const uint32_t q_free_bar = full_bar + 16 * STAGES, tile_ready_bar = q_free_bar + 8; /* + 8 (n % 2) */
-    volatile int *tile_slot = (volatile int *)(smem_raw + 16 * STAGES + 24);
+    volatile int *tile_slot = (volatile int *)(smem_raw + 16 * STAGES);
     const uint32_t q_tile = first_tile(full_bar, Tiles::BARRIER_BYTES);
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
@@ -311,19 +311,22 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     const int warp_in_wg = (tid >> 5) & 3;
     /* the combine kernel may launch now; it waits for this grid's end before it reads (launch_fwd) */
     if constexpr (SPLIT) asm volatile("griddepcontrol.launch_dependents;");
+    /* the tile numbers in ticket order: the CTA's first, then one per call; and the first of them
+     * from `from` on whose tile has work (-1: none left) */
+    auto ticket = [&]() { return Tiles::PERSISTENT ? (int)gridDim.x + atomicAdd(p.tile_counter, 1) : p.tiles; };
+    auto first_with_work = [&](int from) {
+        FwdCta probe;
+        while (from < p.tiles && !fwd_cta<ROWS, SPLIT>(p, from, probe)) from = ticket();
+        return from < p.tiles ? from : -1;
+    };
     if (tid == 0) {
         ring.init(4 * WARPGROUPS);
-        mbar_init(q_free_bar, 4 * WARPGROUPS);
-        mbar_init(tile_ready_bar, 1);
-        mbar_init(tile_ready_bar + 8, 1);
+        tile_slot[0] = first_with_work(Tiles::PERSISTENT ? (int)blockIdx.x : block_tile());
     }
-    __syncthreads(); /* the initialized barriers */
-
-    /* tile n of this CTA (the same sequence for every thread: the producer's thread 0 publishes it) */
-    auto tile_of = [&](int n) {
-        mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
-        return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0);
-    };
+    __syncthreads(); /* the initialized barriers, the first tile's number */
+    constexpr uint32_t HANDOFF_BARRIER = 1;
+    auto hand_off = [&]() { named_barrier_sync(HANDOFF_BARRIER, Tiles::THREADS); };
+    auto tile_of = [&](int n) { return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0); };
 
     if (wg == WARPGROUPS) {
         /* producer warpgroup. K and V of the tile's relative block j into stage (first + j) % STAGES;
@@ -331,19 +334,12 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
          * and 0 * (stale NaN) would poison acc) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
         const int ptid = tid - Tiles::CONSUMER_THREADS;
-        int next = Tiles::PERSISTENT ? (int)blockIdx.x : block_tile(), first = 0;
-        auto ticket = [&]() { return Tiles::PERSISTENT ? (int)gridDim.x + atomicAdd(p.tile_counter, 1) : p.tiles; };
+        int first = 0;
         for (int n = 0;; ++n) {
-            if (ptid == 0) {
-                FwdCta probe;
-                while (next < p.tiles && !fwd_cta<ROWS, SPLIT>(p, next, probe)) next = ticket();
-                if (n > 0) mbar_wait(q_free_bar, (n - 1) & 1);
-                tile_slot[n & 1] = next < p.tiles ? next : -1;
-                mbar_arrive(tile_ready_bar + 8 * (n & 1));
-                if (next < p.tiles) next = ticket();
-            }
             const int tile = tile_of(n);
             if (tile < 0) break;
+            /* the next ticket's atomic is in flight while this tile's blocks are issued */
+            const int next = ptid == 0 ? ticket() : 0;
             FwdCta cta;
             fwd_cta<ROWS, SPLIT>(p, tile, cta);
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
@@ -368,6 +364,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 v_src += BLOCK_N * p.v.row_stride;
             });
             first += blocks;
+            if (ptid == 0) tile_slot[(n + 1) & 1] = first_with_work(next);
+            hand_off();
         }
     } else {
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of each tile */
@@ -392,10 +390,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 #pragma unroll
             for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
         };
-        /* this warp is done with the tile's Q rows (its last S has landed, or it issues none) */
-        auto free_q = [&]() {
-            if (lane == 0) mbar_arrive(q_free_bar);
-        };
 
         int first = 0;
         for (int n = 0;; ++n) {
@@ -416,6 +410,11 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 const int r = thread_row0 + 8 * h;
                 row_len[h] = r < cta.rows_in ? cta.len_of(r) : 0;
             }
+            /* where this warp reaches the tile's hand-off: a warpgroup that attends every block of the
+             * tile as soon as its last S has landed (the next tile's Q may then load); the other one
+             * (one block fewer on the causal diagonal, or none) after its last release and its
+             * stores, so that it never waits there while the producer still needs a stage from it */
+            const bool hands_off_early = nb > 0 && nb == blocks;
 
             RowPair seg, row; /* prefill: row is the row state the segments merge into; its o[i] at
                                  o_state[i * CONSUMER_THREADS] */
@@ -478,7 +477,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers();
-                if (nb == 1) free_q();
+                if (nb == 1 && hands_off_early) hand_off();
                 scores(0);
                 block_operands<BF16, D>(s, alpha, acc, pa);
                 /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
@@ -493,7 +492,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                     wgmma_commit();
                     wgmma_wait<1>();
                     fence_accumulators(s);
-                    if (t == nb - 1) free_q();
+                    if (t == nb - 1 && hands_off_early) hand_off();
                     const RowPair ended = seg;
                     const bool new_segment = starts_segment(t);
                     if (new_segment) set_empty(seg);
@@ -515,8 +514,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 release(nb);
                 merge_ended(seg);
                 t = nb + 1;
-            } else {
-                free_q();
             }
             /* the blocks its rows cannot see: keep the barriers' phases in step */
             for (; t <= blocks; ++t) {
@@ -556,6 +553,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                                               head * p.lse.head_stride] = lse;
                 }
             }
+            if (!hands_off_early) hand_off();
         }
     }
 }
