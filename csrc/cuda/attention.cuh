@@ -27,6 +27,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "../ops/attention.h"
@@ -42,6 +43,8 @@ static_assert(SEGMENT % BLOCK_N == 0, "a segment is whole blocks");
 constexpr float RESCALE_THRESHOLD = RLK_ATTENTION_RESCALE_THRESHOLD;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr int SPLIT_ROWS = 64; /* rows of a split-schedule CTA: (query, head in group) pairs */
+constexpr int PERSISTENT_CTAS_MAX = 1024; /* a persistent prefill grid's CTAs at most (workspace slots) */
+constexpr int64_t persistent_workspace_bytes() { return sizeof(int) * (1 + 2 * PERSISTENT_CTAS_MAX); }
 
 /* ------------------------------------ shared arithmetic ------------------------------------- */
 
@@ -302,7 +305,9 @@ struct FwdParams : CallParams {
     int64_t rows_total; /* combine: batch * max_q_len * heads_q */
     /* the forward's tiles, numbered x + grid_x (y + grid_y z) over (x, y, z) as fwd_cta reads them */
     int grid_x, grid_y, tiles;
-    int *tile_counter; /* persistent prefill: tickets for the tiles after each CTA's first (zeroed) */
+    /* persistent prefill: [0] tickets for the tiles after each CTA's first (zeroed at launch), then
+     * two slots per CTA through which its producer publishes its tiles */
+    int *tile_counter;
 };
 
 /* The rows and key blocks of a forward tile, decoded from its number (FwdParams: x + grid_x (y +
@@ -591,9 +596,9 @@ CallParams call_params(const rlk_attention_args *a) {
  * sequence), or the split kernel over (segment, row tile x kv head, sequence) and then the combine
  * kernel. Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES, MIN_CTAS,
  * PERSISTENT); prefill and split are its attention_fwd_kernel<BF16, D, false> and <BF16, D, true>.
- * A PERSISTENT prefill plan gets MIN_CTAS CTAs per SM (fewer when there are fewer tiles), each taking
- * tile blockIdx.x first and then tickets from a counter in the workspace (prefill_workspace_bytes),
- * zeroed here. */
+ * A PERSISTENT prefill plan gets MIN_CTAS CTAs per SM (fewer when there are fewer tiles; at most
+ * PERSISTENT_CTAS_MAX), each taking tile blockIdx.x first and then tickets from a counter in the
+ * workspace (persistent_workspace_bytes; the counter zeroed here). */
 template <bool BF16, int D, template <int, bool> class Tiles>
 int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream, void (*prefill)(FwdParams),
                void (*split)(FwdParams), bool dependent_combine) {
@@ -625,7 +630,8 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
             p.tile_counter = (int *)a->workspace;
             if (err == cudaSuccess) err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
             if (err != cudaSuccess) return (int)err;
-            grid = dim3((unsigned)(tiles < (int64_t)sms * PrefillTiles::MIN_CTAS ? tiles : sms * PrefillTiles::MIN_CTAS));
+            const int ctas = std::min(sms * PrefillTiles::MIN_CTAS, PERSISTENT_CTAS_MAX);
+            grid = dim3((unsigned)std::min<int64_t>(tiles, ctas));
         }
         prefill<<<grid, PrefillTiles::THREADS, PrefillTiles::SMEM_BYTES, stream>>>(p);
         return (int)cudaGetLastError();
@@ -664,7 +670,7 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
 /* A backend's forward entry point (rlk_attention_fwd_<arch>_forced): the layout check, the schedule
  * (forced: 1 the prefill kernel, 2 the split-KV kernels, 0 as pick_schedule decides; the bits do not
  * depend on it), the kernel's name and, when planning, the workspace (split: the segment records;
- * prefill: Forward::prefill_workspace_bytes(), a persistent plan's tile counter); then the backend's
+ * prefill: Forward::prefill_workspace_bytes(), a persistent plan's tile queue); then the backend's
  * Forward<BF16, D>::run (launch_fwd with its tile plan and kernels) for the dtype and head dim. */
 template <template <bool, int> class Forward>
 int attention_fwd_entry(const rlk_attention_args *args, rlk_context *ctx, int forced, const char *prefill_kernel,

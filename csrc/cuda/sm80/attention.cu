@@ -627,7 +627,9 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
 
 template <bool BF16, int D>
 struct Forward {
-    static constexpr int64_t prefill_workspace_bytes() { return FwdTiles<D, false>::PERSISTENT ? sizeof(int) : 0; }
+    static constexpr int64_t prefill_workspace_bytes() {
+        return FwdTiles<D, false>::PERSISTENT ? persistent_workspace_bytes() : 0;
+    }
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
                                             attention_fwd_kernel<BF16, D, true>, false);

@@ -255,8 +255,8 @@ struct FwdTiles {
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
-    /* the ring's 2 STAGES mbarriers, then the two tile slots (ints) */
-    static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + 2 * 4;
+    /* the ring's 2 STAGES mbarriers, tile_free, tile_ready[2] */
+    static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + 3 * 8;
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
     static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
     /* prefill: one CTA per SM takes tile after tile (launch_fwd); split: a CTA per tile */
@@ -271,11 +271,12 @@ struct FwdTiles {
  * kv head, segment)) one after the other: a split CTA its blockIdx only; a prefill CTA tile blockIdx.x,
  * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
  * launch. Its 64-key blocks are the items of one ring stream across the tiles (tile n's relative
- * block t is item first + t). Tile n's number sits in slot n % 2 (-1: no more tiles); every thread
- * reads it after the hand-off barrier of tile n - 1 (a named barrier of the whole CTA that the
- * producer reaches once it has issued the tile's blocks and written the next number, and a consumer
- * warp once it is done with the tile's Q), so the barrier both publishes the next tile and frees the
- * Q tile for it, and a slot is rewritten only after everyone has read it.
+ * block t is item first + t). A prefill CTA's tile n is published by the producer's thread 0: once
+ * tile n - 1 is free (tile_free: every warp has read its number and every consumer warp is done with
+ * its Q tile, its last S landed) it writes the number (-1: no more tiles) to the CTA's global slot n %
+ * 2 in the workspace and arrives on tile_ready[n % 2], on which every thread waits before it reads.
+ * (A global slot because compute-sanitizer racecheck does not follow the mbarriers' ordering for
+ * shared-memory loads and stores.)
  *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty barrier: every consumer warp
  *     has released the block that used it before), copies K and V of block j into it with cp.async
  *     (rows past k_len zero-filled, not read; block 0 brings the tile's Q rows along), and once they
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     extern __shared__ unsigned char smem_raw[];
     const uint32_t full_bar = smem_u32(smem_raw);
     const Ring<STAGES> ring{full_bar, full_bar + 8 * STAGES};
-    volatile int *tile_slot = (volatile int *)(smem_raw + 16 * STAGES);
+    const uint32_t tile_free_bar = full_bar + 16 * STAGES, tile_ready_bar = tile_free_bar + 8; /* + 8 (n % 2) */
     const uint32_t q_tile = first_tile(full_bar, Tiles::BARRIER_BYTES);
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
@@ -311,6 +312,14 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     const int warp_in_wg = (tid >> 5) & 3;
     /* the combine kernel may launch now; it waits for this grid's end before it reads (launch_fwd) */
     if constexpr (SPLIT) asm volatile("griddepcontrol.launch_dependents;");
+    if (tid == 0) {
+        ring.init(4 * WARPGROUPS);
+        mbar_init(tile_free_bar, 4 * WARPGROUPS + 4);
+        mbar_init(tile_ready_bar, 1);
+        mbar_init(tile_ready_bar + 8, 1);
+    }
+    __syncthreads(); /* the initialized barriers */
+
     /* the tile numbers in ticket order: the CTA's first, then one per call; and the first of them
      * from `from` on whose tile has work (-1: none left) */
     auto ticket = [&]() { return Tiles::PERSISTENT ? (int)gridDim.x + atomicAdd(p.tile_counter, 1) : p.tiles; };
@@ -319,14 +328,17 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         while (from < p.tiles && !fwd_cta<ROWS, SPLIT>(p, from, probe)) from = ticket();
         return from < p.tiles ? from : -1;
     };
-    if (tid == 0) {
-        ring.init(4 * WARPGROUPS);
-        tile_slot[0] = first_with_work(Tiles::PERSISTENT ? (int)blockIdx.x : block_tile());
-    }
-    __syncthreads(); /* the initialized barriers, the first tile's number */
-    constexpr uint32_t HANDOFF_BARRIER = 1;
-    auto hand_off = [&]() { named_barrier_sync(HANDOFF_BARRIER, Tiles::THREADS); };
-    auto tile_of = [&](int n) { return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0); };
+    volatile int *tile_slot = Tiles::PERSISTENT ? p.tile_counter + 1 + 2 * blockIdx.x : nullptr; /* + n % 2 */
+    /* tile n of this CTA: a split CTA's is its blockIdx (n = 0 only); a prefill CTA's as published */
+    auto tile_of = [&](int n) {
+        if constexpr (!Tiles::PERSISTENT) return n == 0 ? first_with_work(block_tile()) : -1;
+        mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
+        return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0);
+    };
+    /* this warp is done with tile n (consumer: with its Q tile; producer: has read its number) */
+    auto free_tile = [&]() {
+        if (lane == 0) mbar_arrive(tile_free_bar);
+    };
 
     if (wg == WARPGROUPS) {
         /* producer warpgroup. K and V of the tile's relative block j into stage (first + j) % STAGES;
@@ -334,12 +346,19 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
          * and 0 * (stale NaN) would poison acc) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
         const int ptid = tid - Tiles::CONSUMER_THREADS;
-        int first = 0;
+        int first = 0, next = blockIdx.x;
         for (int n = 0;; ++n) {
+            if (Tiles::PERSISTENT && ptid == 0) {
+                const int published = first_with_work(next);
+                if (n > 0) mbar_wait(tile_free_bar, (n - 1) & 1);
+                tile_slot[n & 1] = published;
+                mbar_arrive(tile_ready_bar + 8 * (n & 1));
+                /* the next ticket's atomic is in flight while this tile's blocks are issued */
+                if (published >= 0) next = ticket();
+            }
             const int tile = tile_of(n);
+            free_tile();
             if (tile < 0) break;
-            /* the next ticket's atomic is in flight while this tile's blocks are issued */
-            const int next = ptid == 0 ? ticket() : 0;
             FwdCta cta;
             fwd_cta<ROWS, SPLIT>(p, tile, cta);
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
@@ -364,8 +383,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 v_src += BLOCK_N * p.v.row_stride;
             });
             first += blocks;
-            if (ptid == 0) tile_slot[(n + 1) & 1] = first_with_work(next);
-            hand_off();
         }
     } else {
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of each tile */
@@ -410,11 +427,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 const int r = thread_row0 + 8 * h;
                 row_len[h] = r < cta.rows_in ? cta.len_of(r) : 0;
             }
-            /* where this warp reaches the tile's hand-off: a warpgroup that attends every block of the
-             * tile as soon as its last S has landed (the next tile's Q may then load); the other one
-             * (one block fewer on the causal diagonal, or none) after its last release and its
-             * stores, so that it never waits there while the producer still needs a stage from it */
-            const bool hands_off_early = nb > 0 && nb == blocks;
 
             RowPair seg, row; /* prefill: row is the row state the segments merge into; its o[i] at
                                  o_state[i * CONSUMER_THREADS] */
@@ -477,7 +489,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers();
-                if (nb == 1 && hands_off_early) hand_off();
+                if (nb == 1) free_tile(); /* its last S has landed: Q may be overwritten */
                 scores(0);
                 block_operands<BF16, D>(s, alpha, acc, pa);
                 /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
@@ -492,7 +504,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                     wgmma_commit();
                     wgmma_wait<1>();
                     fence_accumulators(s);
-                    if (t == nb - 1 && hands_off_early) hand_off();
+                    if (t == nb - 1) free_tile();
                     const RowPair ended = seg;
                     const bool new_segment = starts_segment(t);
                     if (new_segment) set_empty(seg);
@@ -514,6 +526,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 release(nb);
                 merge_ended(seg);
                 t = nb + 1;
+            } else {
+                free_tile();
             }
             /* the blocks its rows cannot see: keep the barriers' phases in step */
             for (; t <= blocks; ++t) {
@@ -553,7 +567,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                                               head * p.lse.head_stride] = lse;
                 }
             }
-            if (!hands_off_early) hand_off();
         }
     }
 }
@@ -920,7 +933,9 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
 
 template <bool BF16, int D>
 struct Forward {
-    static constexpr int64_t prefill_workspace_bytes() { return FwdTiles<D, false>::PERSISTENT ? sizeof(int) : 0; }
+    static constexpr int64_t prefill_workspace_bytes() {
+        return FwdTiles<D, false>::PERSISTENT ? persistent_workspace_bytes() : 0;
+    }
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
                                             attention_fwd_kernel<BF16, D, true>, true);

@@ -91,10 +91,6 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 
 /* Barrier among the 128 threads of one warpgroup (ids 1, 2: one per consumer; 0 is __syncthreads). */
 __device__ __forceinline__ void warpgroup_sync(uint32_t id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
-/* named barrier `id` across `threads` threads (a multiple of 32) */
-__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 
 /* A flag in global memory handing data from one CTA to another: the writer's threads store the data,
  * meet at a barrier, and one of them publishes with flag_release (the fence orders the whole group's
