@@ -138,7 +138,8 @@ __device__ __forceinline__ uint32_t k_major_step(int kk) {
 /* A ring of STAGES shared-memory stages between a producer warpgroup (cp.async) and consumer warps,
  * on two mbarriers per stage: full (the producer's copies have landed and were fenced for the tensor
  * cores: its 128 threads arrive) and empty (every consumer warp is done with the stage: lane 0 of
- * each arrives). Item j of a stream uses stage j % STAGES, on barrier phase (j / STAGES) & 1. */
+ * each arrives). Item j of a stream uses stage j % STAGES, on barrier phase (j / STAGES) & 1 (items
+ * are unsigned: j % STAGES is then one instruction, not a signed remainder's several). */
 template <int STAGES>
 struct Ring {
     uint32_t full_bar, empty_bar; /* STAGES barriers each, 8 bytes apart */
@@ -154,7 +155,7 @@ struct Ring {
      * (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) marks that item full;
      * on return every item is marked full */
     template <class Load>
-    __device__ __forceinline__ void produce(int first, int count, Load load) const {
+    __device__ __forceinline__ void produce(uint32_t first, int count, Load load) const {
         for (int j = 0; j < count; ++j) {
             const int s = (first + j) % STAGES;
             mbar_wait(empty_bar + 8 * s, (((first + j) / STAGES) & 1) ^ 1);
@@ -172,8 +173,10 @@ struct Ring {
             mbar_arrive(full_bar + 8 * ((first + count - 1) % STAGES));
         }
     }
-    __device__ __forceinline__ void wait_full(int j) const { mbar_wait(full_bar + 8 * (j % STAGES), (j / STAGES) & 1); }
-    __device__ __forceinline__ void release(int j, int lane) const {
+    __device__ __forceinline__ void wait_full(uint32_t j) const {
+        mbar_wait(full_bar + 8 * (j % STAGES), (j / STAGES) & 1);
+    }
+    __device__ __forceinline__ void release(uint32_t j, int lane) const {
         if (lane == 0) mbar_arrive(empty_bar + 8 * (j % STAGES));
     }
 };
@@ -346,7 +349,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
          * and 0 * (stale NaN) would poison acc) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
         const int ptid = tid - Tiles::CONSUMER_THREADS;
-        int first = 0, next = blockIdx.x;
+        uint32_t first = 0; /* the tile's first ring item */
+        int next = blockIdx.x;
         for (int n = 0;; ++n) {
             if (Tiles::PERSISTENT && ptid == 0) {
                 const int published = first_with_work(next);
@@ -408,7 +412,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
         };
 
-        int first = 0;
+        uint32_t first = 0; /* the tile's first ring item */
         for (int n = 0;; ++n) {
             const int tile = tile_of(n);
             if (tile < 0) break;
