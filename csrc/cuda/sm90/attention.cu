@@ -280,7 +280,8 @@ struct FwdTiles {
  * 2 in the workspace and arrives on tile_ready[n % 2], on which every thread waits before it reads.
  * (A global slot because compute-sanitizer racecheck does not follow the mbarriers' ordering for
  * shared-memory loads and stores.)
- *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty barrier: every consumer warp
+ *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty
+ *     barrier: every consumer warp
  *     has released the block that used it before), copies K and V of block j into it with cp.async
  *     (rows past k_len zero-filled, not read; block 0 brings the tile's Q rows along), and once they
  *     have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives
@@ -371,18 +372,19 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             const uint16_t *k_src = row_address(p.k, cta.b, thread_row, cta.kv_head) + thread_col;
             const uint16_t *v_src = row_address(p.v, cta.b, thread_row, cta.kv_head) + thread_col;
             ring.produce(first, blocks, [&](int j, int s) {
-                if (j == 0)
-                    load_rows_async<D, ROWS, 128, BoxSwizzle<ROWS>, true>(
-                        q_tile,
-                        [&](int r) -> const uint16_t * {
-                            return r < cta.rows_in ? row_address(p.q, cta.b, cta.range.q_start + cta.query_of(r), cta.head_of(r))
-                                                   : nullptr;
-                        },
-                        p.q.data, ptid);
+                if (j == 0) {
+                    auto q_row = [&](int r) -> const uint16_t * {
+                        if (r >= cta.rows_in) return nullptr;
+                        return row_address(p.q, cta.b, cta.range.q_start + cta.query_of(r), cta.head_of(r));
+                    };
+                    load_rows_async<D, ROWS, 128, BoxSwizzle<ROWS>, true>(q_tile, q_row, p.q.data, ptid);
+                }
                 const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
                 const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
-                load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
-                load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
+                using KvRows = BoxSwizzle<BLOCK_N>;
+                load_thread_rows_async<D, BLOCK_N, 128, KvRows>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
+                load_thread_rows_async<D, BLOCK_N, 128, KvRows>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data,
+                                                                ptid);
                 k_src += BLOCK_N * p.k.row_stride;
                 v_src += BLOCK_N * p.v.row_stride;
             });
