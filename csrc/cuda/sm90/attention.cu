@@ -279,14 +279,13 @@ struct FwdTiles {
  * its Q tile, its last S landed) it writes the number (-1: no more tiles) to the CTA's global slot n %
  * 2 in the workspace and arrives on tile_ready[n % 2], on which every thread waits before it reads.
  * (A global slot because compute-sanitizer racecheck does not follow the mbarriers' ordering for
- * shared-memory loads and stores.)
+ * shared-memory loads and stores; the mbarriers order the global slot the same way.)
  *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty
- *     barrier: every consumer warp
- *     has released the block that used it before), copies K and V of block j into it with cp.async
- *     (rows past k_len zero-filled, not read; block 0 brings the tile's Q rows along), and once they
- *     have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives
- *     on the stage's full barrier. So the next tile's Q and first blocks load while the consumers
- *     finish and store the current one.
+ *     barrier: every consumer warp has released the block that used it before), copies K and V of
+ *     block j into it with cp.async (rows past k_len zero-filled, not read; block 0 brings the
+ *     tile's Q rows along), and once they have landed (cp.async.wait_group, then fence.proxy.async
+ *     so the tensor cores see them) arrives on the stage's full barrier. So the next tile's Q and
+ *     first blocks load while the consumers finish and store the current one.
  *   consumer warpgroup, per tile: turns t = 0 .. blocks; turn t waits for block t to be full, then
  *     issues two commit groups: S of block t (its K), then P V of block t - 1 (its V). Once S has
  *     landed it runs the scores part of block t's update (max, alpha, p, l: block_scores) while that
