@@ -237,6 +237,17 @@ __device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], co
     to_a_fragments<BF16>(s, pa);
 }
 
+/* cp.async of a tile's Q rows (row r: query cta.query_of(r), head cta.head_of(r); zeros past rows_in)
+ * into q_tile by THREADS threads (ROLLED: load_rows_async's) */
+template <int D, int ROWS, int THREADS, bool ROLLED>
+__device__ __forceinline__ void load_q_tile_async(uint32_t q_tile, const FwdParams &p, const FwdCta &cta, int tid) {
+    auto q_row = [&](int r) -> const uint16_t * {
+        if (r >= cta.rows_in) return nullptr;
+        return row_address(p.q, cta.b, cta.range.q_start + cta.query_of(r), cta.head_of(r));
+    };
+    load_rows_async<D, ROWS, THREADS, BoxSwizzle<ROWS>, ROLLED>(q_tile, q_row, p.q.data, tid);
+}
+
 /* Consumer warpgroups of 64 rows (prefill 2, one CTA per SM: the two accumulator sets take ~200
  * registers a thread; split 1, two CTAs per SM) and one producer warpgroup that streams the K and V
  * blocks into a ring of STAGES stages. setmaxnreg moves registers from the producer (PRODUCER_REGS)
@@ -282,10 +293,12 @@ struct FwdTiles {
  * shared-memory loads and stores; the mbarriers order the global slot the same way.)
  *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty
  *     barrier: every consumer warp has released the block that used it before), copies K and V of
- *     block j into it with cp.async (rows past k_len zero-filled, not read; block 0 brings the
- *     tile's Q rows along), and once they have landed (cp.async.wait_group, then fence.proxy.async
- *     so the tensor cores see them) arrives on the stage's full barrier. So the next tile's Q and
- *     first blocks load while the consumers finish and store the current one.
+ *     block j into it with cp.async (rows past k_len zero-filled, not read; prefill: block 0 brings
+ *     the tile's Q rows along; split: the consumers load Q themselves while the first blocks load,
+ *     which keeps the producer's row-address arithmetic off a decode's short path), and once they
+ *     have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives
+ *     on the stage's full barrier. So the next tile's Q and first blocks load while the consumers
+ *     finish and store the current one.
  *   consumer warpgroup, per tile: turns t = 0 .. blocks; turn t waits for block t to be full, then
  *     issues two commit groups: S of block t (its K), then P V of block t - 1 (its V). Once S has
  *     landed it runs the scores part of block t's update (max, alpha, p, l: block_scores) while that
@@ -371,13 +384,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             const uint16_t *k_src = row_address(p.k, cta.b, thread_row, cta.kv_head) + thread_col;
             const uint16_t *v_src = row_address(p.v, cta.b, thread_row, cta.kv_head) + thread_col;
             ring.produce(first, blocks, [&](int j, int s) {
-                if (j == 0) {
-                    auto q_row = [&](int r) -> const uint16_t * {
-                        if (r >= cta.rows_in) return nullptr;
-                        return row_address(p.q, cta.b, cta.range.q_start + cta.query_of(r), cta.head_of(r));
-                    };
-                    load_rows_async<D, ROWS, 128, BoxSwizzle<ROWS>, true>(q_tile, q_row, p.q.data, ptid);
-                }
+                if (Tiles::PERSISTENT && j == 0) load_q_tile_async<D, ROWS, 128, true>(q_tile, p, cta, ptid);
                 const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
                 const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
                 using KvRows = BoxSwizzle<BLOCK_N>;
@@ -419,6 +426,14 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             if (tile < 0) break;
             FwdCta cta;
             fwd_cta<ROWS, SPLIT>(p, tile, cta);
+            if constexpr (!Tiles::PERSISTENT) {
+                /* a split CTA's one tile: its consumers load Q, while the producer's first blocks load */
+                load_q_tile_async<D, ROWS, Tiles::CONSUMER_THREADS, false>(q_tile, p, cta, tid);
+                cp_async_commit();
+                cp_async_wait<0>();
+                fence_proxy_async_smem(); /* this thread's copies, visible to the tensor cores' reads */
+                warpgroup_sync(1);        /* every consumer thread's */
+            }
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
             const bool wg_has_rows = wg_row0 < cta.rows_in;
             const int wg_max_len = wg_has_rows ? cta.len_of(min(wg_row0 + 63, cta.rows_in - 1)) : 0;
@@ -622,11 +637,13 @@ struct BwdTiles {
 
 /* The backward's elementwise part of one block, in two steps so that each runs while a product is on
  * the tensor cores (accumulator layout; element (h, j, e) at x[4 j + 2 h + e]):
- * block_probabilities: s -> P in place, p = exp2(fma(s, c, -lse2)) where visible(h, j, e), else 0;
+ * block_probabilities: s -> P in place, p = exp2(fma(s, c, -lse2)); then, in a block some element of
+ * which its query cannot see (a warp-uniform test, so unmasked blocks pay nothing), mask_probabilities:
+ * p = 0 where !visible(h, j, e) (a select: whatever exp2 gave there is dropped);
  * block_score_grads: dp -> dS in place, ds = p (dp - D). stat(h, j, e): the {lse2, D} of the element's
  * query. */
-template <class Visible, class Stat>
-__device__ __forceinline__ void block_probabilities(float (&s)[BLOCK_N / 2], float c, Visible visible, Stat stat) {
+template <class Stat>
+__device__ __forceinline__ void block_probabilities(float (&s)[BLOCK_N / 2], float c, Stat stat) {
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
@@ -634,7 +651,20 @@ __device__ __forceinline__ void block_probabilities(float (&s)[BLOCK_N / 2], flo
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float &x = s[4 * j + 2 * h + e];
-                x = visible(h, j, e) ? exp2_approx(__fmaf_rn(x, c, -stat(h, j, e).x)) : 0.0f;
+                x = exp2_approx(__fmaf_rn(x, c, -stat(h, j, e).x));
+            }
+}
+
+template <class Visible>
+__device__ __forceinline__ void mask_probabilities(float (&s)[BLOCK_N / 2], Visible visible) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float &x = s[4 * j + 2 * h + e];
+                x = visible(h, j, e) ? x : 0.0f;
             }
 }
 
@@ -774,13 +804,12 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
             auto query = [&](int j, int e) { return 8 * j + 2 * (lane & 3) + e; };
             auto stat = [&](int, int j, int e) { return stats[query(j, e)]; };
             const bool masked = rows_in < BLOCK_N || wg_key0 + 64 > visible_keys(q0, q_len, k_len, p.causal);
-            block_probabilities(
-                st, c,
-                [&](int h, int j, int e) {
+            block_probabilities(st, c, stat);
+            if (masked)
+                mask_probabilities(st, [&](int h, int j, int e) {
                     const int i = query(j, e);
-                    return !masked || (i < rows_in && thread_key + 8 * h < visible_keys(q0 + i, q_len, k_len, p.causal));
-                },
-                stat);
+                    return i < rows_in && thread_key + 8 * h < visible_keys(q0 + i, q_len, k_len, p.causal);
+                });
             to_a_fragments<BF16>(st, pa);
             wgmma_fence();
             issue_pv<BF16, D>(dv, pa, do_mn_desc, stage_bytes);
@@ -914,9 +943,9 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
             /* element (h, j, e): row thread_row + 8 h, key 64 t + 8 j + 2 (lane % 4) + e */
             const int key0 = t * BLOCK_N;
             const bool masked = key0 + BLOCK_N > wg_min_len;
-            block_probabilities(
-                sp, c, [&](int h, int j, int e) { return !masked || key0 + 8 * j + 2 * (lane & 3) + e < row_len[h]; },
-                stat);
+            block_probabilities(sp, c, stat);
+            if (masked)
+                mask_probabilities(sp, [&](int h, int j, int e) { return key0 + 8 * j + 2 * (lane & 3) + e < row_len[h]; });
             wgmma_wait<0>(); /* dP */
             fence_accumulators(dp);
             block_score_grads(sp, dp, stat);
