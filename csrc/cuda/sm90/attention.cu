@@ -345,9 +345,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         return from < p.tiles ? from : -1;
     };
     volatile int *tile_slot = Tiles::PERSISTENT ? p.tile_counter + 1 + 2 * blockIdx.x : nullptr; /* + n % 2 */
-    /* tile n of this CTA: a split CTA's is its blockIdx (n = 0 only); a prefill CTA's as published */
-    auto tile_of = [&](int n) {
-        if constexpr (!Tiles::PERSISTENT) return n == 0 ? first_with_work(block_tile()) : -1;
+    /* tile n of this CTA (-1: none): a split CTA's is its blockIdx (n = 0 only; cta filled here, so
+     * that a decode's threads decode it once); a prefill CTA's as published (cta filled by the caller) */
+    auto tile_of = [&](int n, FwdCta &cta) {
+        if constexpr (!Tiles::PERSISTENT) return n == 0 && fwd_cta<ROWS, SPLIT>(p, block_tile(), cta) ? block_tile() : -1;
         mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
         return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0);
     };
@@ -373,11 +374,11 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 /* the next ticket's atomic is in flight while this tile's blocks are issued */
                 if (published >= 0) next = ticket();
             }
-            const int tile = tile_of(n);
+            FwdCta cta;
+            const int tile = tile_of(n, cta);
             free_tile();
             if (tile < 0) break;
-            FwdCta cta;
-            fwd_cta<ROWS, SPLIT>(p, tile, cta);
+            if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT>(p, tile, cta);
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
             const int64_t thread_row = cta.range.k_start + cta.block_begin * BLOCK_N + ptid / (D / 8);
             const int64_t thread_col = 8 * (ptid % (D / 8));
@@ -422,10 +423,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
         uint32_t first = 0; /* the tile's first ring item */
         for (int n = 0;; ++n) {
-            const int tile = tile_of(n);
-            if (tile < 0) break;
             FwdCta cta;
-            fwd_cta<ROWS, SPLIT>(p, tile, cta);
+            const int tile = tile_of(n, cta);
+            if (tile < 0) break;
+            if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT>(p, tile, cta);
             if constexpr (!Tiles::PERSISTENT) {
                 /* a split CTA's one tile: its consumers load Q, while the producer's first blocks load */
                 load_q_tile_async<D, ROWS, Tiles::CONSUMER_THREADS, false>(q_tile, p, cta, tid);
