@@ -643,43 +643,30 @@ struct BwdTiles {
  * p = 0 where !visible(h, j, e) (a select: whatever exp2 gave there is dropped);
  * block_score_grads: dp -> dS in place, ds = p (dp - D). stat(h, j, e): the {lse2, D} of the element's
  * query. */
-template <class Stat>
-__device__ __forceinline__ void block_probabilities(float (&s)[BLOCK_N / 2], float c, Stat stat) {
+/* f(h, j, e, i) for each element of a thread's 64 x 64 accumulator fragment, i = 4 j + 2 h + e */
+template <class F>
+__device__ __forceinline__ void for_each_element(F f) {
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float &x = s[4 * j + 2 * h + e];
-                x = exp2_approx(__fmaf_rn(x, c, -stat(h, j, e).x));
-            }
+            for (int e = 0; e < 2; ++e) f(h, j, e, 4 * j + 2 * h + e);
+}
+
+template <class Stat>
+__device__ __forceinline__ void block_probabilities(float (&s)[BLOCK_N / 2], float c, Stat stat) {
+    for_each_element([&](int h, int j, int e, int i) { s[i] = exp2_approx(__fmaf_rn(s[i], c, -stat(h, j, e).x)); });
 }
 
 template <class Visible>
 __device__ __forceinline__ void mask_probabilities(float (&s)[BLOCK_N / 2], Visible visible) {
-#pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float &x = s[4 * j + 2 * h + e];
-                x = visible(h, j, e) ? x : 0.0f;
-            }
+    for_each_element([&](int h, int j, int e, int i) { s[i] = visible(h, j, e) ? s[i] : 0.0f; });
 }
 
 template <class Stat>
 __device__ __forceinline__ void block_score_grads(const float (&p)[BLOCK_N / 2], float (&dp)[BLOCK_N / 2], Stat stat) {
-#pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int x = 4 * j + 2 * h + e;
-                dp[x] = __fmul_rn(p[x], __fsub_rn(dp[x], stat(h, j, e).y));
-            }
+    for_each_element([&](int h, int j, int e, int i) { dp[i] = __fmul_rn(p[i], __fsub_rn(dp[i], stat(h, j, e).y)); });
 }
 
 /* A backward CTA's two resident tiles: rows first_row .. first_row + ROWS - 1 of x and y (head `head` of
