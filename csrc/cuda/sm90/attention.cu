@@ -336,9 +336,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     }
     __syncthreads(); /* the initialized barriers */
 
-    /* the tile numbers in ticket order: the CTA's first, then one per call; and the first of them
-     * from `from` on whose tile has work (-1: none left) */
-    auto ticket = [&]() { return Tiles::PERSISTENT ? (int)gridDim.x + atomicAdd(p.tile_counter, 1) : p.tiles; };
+    /* prefill: the tile numbers in ticket order (the CTA's first, then one per call), and the first
+     * of them from `from` on whose tile has work (-1: none left) */
+    auto ticket = [&]() { return (int)gridDim.x + atomicAdd(p.tile_counter, 1); };
     auto first_with_work = [&](int from) {
         FwdCta probe;
         while (from < p.tiles && !fwd_cta<ROWS, SPLIT>(p, from, probe)) from = ticket();
@@ -426,8 +426,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             FwdCta cta;
             const int tile = tile_of(n, cta);
             if (tile < 0) break;
-            if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT>(p, tile, cta);
-            if constexpr (!Tiles::PERSISTENT) {
+            if constexpr (Tiles::PERSISTENT) {
+                fwd_cta<ROWS, SPLIT>(p, tile, cta);
+            } else {
                 /* a split CTA's one tile: its consumers load Q, while the producer's first blocks load */
                 load_q_tile_async<D, ROWS, Tiles::CONSUMER_THREADS, false>(q_tile, p, cta, tid);
                 cp_async_commit();
@@ -636,13 +637,6 @@ struct BwdTiles {
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
 };
 
-/* The backward's elementwise part of one block, in two steps so that each runs while a product is on
- * the tensor cores (accumulator layout; element (h, j, e) at x[4 j + 2 h + e]):
- * block_probabilities: s -> P in place, p = exp2(fma(s, c, -lse2)); then, in a block some element of
- * which its query cannot see (a warp-uniform test, so unmasked blocks pay nothing), mask_probabilities:
- * p = 0 where !visible(h, j, e) (a select: whatever exp2 gave there is dropped);
- * block_score_grads: dp -> dS in place, ds = p (dp - D). stat(h, j, e): the {lse2, D} of the element's
- * query. */
 /* f(h, j, e, i) for each element of a thread's 64 x 64 accumulator fragment, i = 4 j + 2 h + e */
 template <class F>
 __device__ __forceinline__ void for_each_element(F f) {
@@ -654,6 +648,13 @@ __device__ __forceinline__ void for_each_element(F f) {
             for (int e = 0; e < 2; ++e) f(h, j, e, 4 * j + 2 * h + e);
 }
 
+/* The backward's elementwise part of one block, in two steps so that each runs while a product is on
+ * the tensor cores (accumulator layout; element (h, j, e) at x[4 j + 2 h + e]):
+ * block_probabilities: s -> P in place, p = exp2(fma(s, c, -lse2)); then, in a block some element of
+ * which its query cannot see (a warp-uniform test, so unmasked blocks pay nothing), mask_probabilities:
+ * p = 0 where !visible(h, j, e) (a select: whatever exp2 gave there is dropped);
+ * block_score_grads: dp -> dS in place, ds = p (dp - D). stat(h, j, e): the {lse2, D} of the element's
+ * query. */
 template <class Stat>
 __device__ __forceinline__ void block_probabilities(float (&s)[BLOCK_N / 2], float c, Stat stat) {
     for_each_element([&](int h, int j, int e, int i) { s[i] = exp2_approx(__fmaf_rn(s[i], c, -stat(h, j, e).x)); });
