@@ -226,6 +226,33 @@ __device__ __forceinline__ void merge_segment(float &m, float &l, float (&o)[N],
     m = m_new;
 }
 
+/* The prefill kernels' segment end for a thread's two rows: each row's ended segment (ended.m, ended.l
+ * and its D / 4 accumulators acc(h, j, e)) merged into its row state (row.m, row.l, o(h, j, e)) by
+ * merge_segment, and acc restarted from zero. o and acc: the backend's places of row h's column pair
+ * j, element e (sm80: registers; sm90: o in shared memory). */
+template <int D, class O, class Acc>
+__device__ __forceinline__ void merge_segment_rows(RowPair &row, const RowPair &ended, O o, Acc acc, float c) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float o_row[D / 4], acc_row[D / 4];
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                o_row[2 * j + e] = o(h, j, e);
+                acc_row[2 * j + e] = acc(h, j, e);
+            }
+        merge_segment<D / 4>(row.m[h], row.l[h], o_row, ended.m[h], ended.l[h], acc_row, c);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                o(h, j, e) = o_row[2 * j + e];
+                acc(h, j, e) = 0.0f;
+            }
+    }
+}
+
 /* out = o * (1 / l) and lse = (scaled(m) + log2 l) ln 2; a row that saw no key: out = 0, lse = -inf.
  * Both schedules normalize with this. */
 template <int N>

@@ -308,25 +308,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         }
         if (!SPLIT && ((n + 1) % BLOCKS_PER_SEGMENT == 0 || it + 1 == blocks) &&
             (n / BLOCKS_PER_SEGMENT) * SEGMENT < warp_max_len) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float o_row[D / 4], acc_row[D / 4];
-#pragma unroll
-                for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        o_row[2 * nt + e] = o[nt][2 * h + e];
-                        acc_row[2 * nt + e] = acc[nt][2 * h + e];
-                    }
-                merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
-#pragma unroll
-                for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        o[nt][2 * h + e] = o_row[2 * nt + e];
-                        acc[nt][2 * h + e] = 0.0f;
-                    }
-            }
+            merge_segment_rows<D>(
+                row, seg, [&](int h, int nt, int e) -> float & { return o[nt][2 * h + e]; },
+                [&](int h, int nt, int e) -> float & { return acc[nt][2 * h + e]; }, p.scale_log2);
             set_empty(seg);
         }
     }

@@ -348,7 +348,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     /* tile n of this CTA (-1: none): a split CTA's is its blockIdx (n = 0 only; cta filled here, so
      * that a decode's threads decode it once); a prefill CTA's as published (cta filled by the caller) */
     auto tile_of = [&](int n, FwdCta &cta) {
-        if constexpr (!Tiles::PERSISTENT) return n == 0 && fwd_cta<ROWS, SPLIT>(p, block_tile(), cta) ? block_tile() : -1;
+        if constexpr (!Tiles::PERSISTENT) {
+            const int tile = block_tile();
+            return n == 0 && fwd_cta<ROWS, SPLIT>(p, tile, cta) ? tile : -1;
+        }
         mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
         return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0);
     };
@@ -478,27 +481,11 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             /* prefill: merges an ended segment (its m and l in `ended`, its acc) into the row state;
              * acc restarts from zero */
             auto merge_ended = [&](const RowPair &ended) {
-                if constexpr (!SPLIT) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float o_row[D / 4], acc_row[D / 4];
-#pragma unroll
-                        for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
-                                acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
-                            }
-                        merge_segment<D / 4>(row.m[h], row.l[h], o_row, ended.m[h], ended.l[h], acc_row, p.scale_log2);
-#pragma unroll
-                        for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS] = o_row[2 * j + e];
-                                acc[4 * j + 2 * h + e] = 0.0f;
-                            }
-                    }
-                }
+                if constexpr (!SPLIT)
+                    merge_segment_rows<D>(
+                        row, ended,
+                        [&](int h, int j, int e) -> float & { return o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS]; },
+                        [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; }, p.scale_log2);
             };
 
             int t = 0;
