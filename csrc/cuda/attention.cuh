@@ -96,7 +96,10 @@ __device__ __forceinline__ bool load_sequence(const Sequences &s, int b, Sequenc
 
 /* The contract's scaled(m) = round(m * c), 0 while m = -inf. States keep m only and recompute its
  * scaled value where it is needed (same bits, fewer live registers). */
-__device__ __forceinline__ float scaled(float m, float c) { return m == -INFINITY ? 0.0f : __fmul_rn(m, c); }
+__device__ __forceinline__ float scaled(float m, float c) {
+    const float product = __fmul_rn(m, c); /* unconditional: a predicated multiply reloaded c from the constant bank */
+    return m == -INFINITY ? 0.0f : product;
+}
 
 /* The softmax state of a thread's two rows of an MMA accumulator tile, row h = 0, 1 eight rows apart
  * (sm80: rows lane / 4 and + 8 of a warp's m16 tile; sm90: rows 16 w + lane / 4 and + 8 of warp w of
@@ -158,13 +161,15 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
         for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        /* selects, not branches: the exp2 runs whether or not m moved */
+        /* selects, not branches (a short-circuit || here compiled to branches that reload c from the
+         * constant bank): both scaled values and the exp2 run whether or not m moved */
         const bool empty = st.m[h] == -INFINITY;
         const float ms_old = scaled(st.m[h], c);
         const float m_max = fmaxf(st.m[h], mx[h]);
-        const bool moves = empty || scaled(m_max, c) > __fadd_rn(ms_old, RESCALE_THRESHOLD);
+        const float ms_max = scaled(m_max, c);
+        const bool moves = empty | (ms_max > __fadd_rn(ms_old, RESCALE_THRESHOLD));
         st.m[h] = moves ? m_max : st.m[h];
-        ms_new[h] = scaled(st.m[h], c);
+        ms_new[h] = moves ? ms_max : ms_old; /* scaled(st.m[h], c) */
         const float rescale = exp2_approx(__fsub_rn(ms_old, ms_new[h]));
         alpha[h] = empty ? 0.0f : (moves ? rescale : 1.0f);
     }

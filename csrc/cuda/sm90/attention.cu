@@ -16,7 +16,9 @@
  *     load while the consumers finish the current one.
  *     Every tile is stored in the wgmma 128-byte swizzle (boxes of rows x 64 elements, 16-byte chunk c
  *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n64k16 over
- *     head_dim, Q and K from shared memory, K-major), the online-softmax update in registers, then
+ *     head_dim; Q as the register A operand, its fragments read once per tile by ldmatrix, so the
+ *     consumers let the next tile's Q load right after; K from shared memory, K-major), the
+ *     online-softmax update in registers, then
  *     acc = alpha acc + P V (wgmma m64n{d}k16 with P rounded to the dtype as the register A operand
  *     and V as an MN-major B operand). A consumer issues S of block t and then P V of block t - 1 as
  *     two wgmma groups and runs block t's softmax while that P V is still running; the two consumers
@@ -38,7 +40,8 @@
  * Shared memory (d = 128 / 64): prefill Q tile 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
  * 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB; + 1 KB in which the
  * mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no spills): prefill 168
- * at entry (consumers then 224, they need <= 168; producer 48), split 128 (consumer 208), combine 136.
+ * at entry (consumers then 224 and use 212 of them; producer 48), split 128 (consumer 208, uses 186),
+ * combine 136.
  * Speed, what limits it and what was tried: docs/perf-notes.md ("Attention forward on wgmma");
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
@@ -196,13 +199,35 @@ __device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], const Smem
                                        k.at(stage_bytes + k_major_step<BLOCK_N * 128>(kk)), kk > 0);
 }
 
+/* The same S = Q K^T with Q as the register A operand (the forward): qa[kk], this thread's fragments of
+ * the warpgroup's 64 Q rows for k16 step kk (load_q_fragments), so each wgmma reads only K from shared
+ * memory and takes one descriptor. */
+template <bool BF16, int D>
+__device__ __forceinline__ void issue_scores_qreg(float (&s)[BLOCK_N / 2], const uint32_t (&qa)[D / 16][4],
+                                                  const SmemDesc &k, uint32_t stage_bytes) {
+    const SmemDesc stage = k.plus(stage_bytes);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_k16_rs<BLOCK_N, BF16, 0>(s, qa[kk], stage.at(k_major_step<BLOCK_N * 128>(kk)), kk > 0);
+}
+
+/* This thread's A fragments of a warp's 16 rows (row0 ..) of a ROWS x D tile in the box swizzle, by
+ * ldmatrix: lane l addresses row row0 + l % 8 (+ 8 for l % 16 >= 8) at 16-byte chunk 2 kk (+ 1 for
+ * l >= 16), so matrix i of k16 step kk lands in qa[kk][i] as wgmma_k16_rs wants it. */
+template <int D, int ROWS>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[D / 16][4], uint32_t q_tile, int row0, int lane) {
+    const int row = row0 + (lane & 15);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4<false>(qa[kk], q_tile + BoxSwizzle<ROWS>::at(row, 2 * kk + (lane >> 4)));
+}
+
 /* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments; v: the block's V
  * tile, stage_bytes past the ring's). */
 template <bool BF16, int D>
 __device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], const SmemDesc &v,
                                          uint32_t stage_bytes) {
+    const SmemDesc stage = v.plus(stage_bytes);
 #pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], v.at(stage_bytes + t * 16 * 128), 1);
+    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], stage.at(t * 16 * 128), 1);
 }
 
 /* x (a 64 x 64 accumulator tile) rounded to the dtype as the A fragments of a product over its 64
@@ -286,9 +311,9 @@ struct FwdTiles {
  * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
  * launch. Its 64-key blocks are the items of one ring stream across the tiles (tile n's relative
  * block t is item first + t). A prefill CTA's tile n is published by the producer's thread 0: once
- * tile n - 1 is free (tile_free: every warp has read its number and every consumer warp is done with
- * its Q tile, its last S landed) it writes the number (-1: no more tiles) to the CTA's global slot n %
- * 2 in the workspace and arrives on tile_ready[n % 2], on which every thread waits before it reads.
+ * tile n - 1 is free (tile_free: every warp has read its number and every consumer warp has its Q
+ * fragments in registers) it writes the number (-1: no more tiles) to the CTA's global slot n % 2 in
+ * the workspace and arrives on tile_ready[n % 2], on which every thread waits before it reads.
  * (A global slot because compute-sanitizer racecheck does not follow the mbarriers' ordering for
  * shared-memory loads and stores; the mbarriers order the global slot the same way.)
  *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty
@@ -299,8 +324,8 @@ struct FwdTiles {
  *     have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives
  *     on the stage's full barrier. So the next tile's Q and first blocks load while the consumers
  *     finish and store the current one.
- *   consumer warpgroup, per tile: turns t = 0 .. blocks; turn t waits for block t to be full, then
- *     issues two commit groups: S of block t (its K), then P V of block t - 1 (its V). Once S has
+ *   consumer warpgroup, per tile: turns t = 0 .. blocks; turn t waits for block t to be full (turn 0
+ *     then reads its rows' Q fragments and frees the tile's Q), then issues two commit groups: S of block t (its K), then P V of block t - 1 (its V). Once S has
  *     landed it runs the scores part of block t's update (max, alpha, p, l: block_scores) while that
  *     P V is still on the tensor cores; once P V has landed it releases block t - 1, merges a
  *     finished segment into the row state, and rescales acc by block t's alpha and rounds P
@@ -355,7 +380,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
         return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0);
     };
-    /* this warp is done with tile n (consumer: with its Q tile; producer: has read its number) */
+    /* this warp is done with tile n's Q tile (consumer: its fragments are in registers; producer: has read its number) */
     auto free_tile = [&]() {
         if (lane == 0) mbar_arrive(tile_free_bar);
     };
@@ -406,10 +431,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int wg_row0 = wg * 64;
         const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
         float *o_state = (float *)(smem_raw + (kv_ring + Tiles::RING_BYTES - full_bar)) + tid;
-        const SmemDesc q_desc = k_major_desc(q_tile + wg_row0 * 128);
         const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc(kv_ring + KV_BYTES);
         float s[BLOCK_N / 2], alpha[2], acc[D / 2];
-        uint32_t pa[BLOCK_N / 16][4];
+        uint32_t pa[BLOCK_N / 16][4], qa[D / 16][4];
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.0f;
 #pragma unroll
@@ -422,6 +446,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             fence_accumulators(s);
 #pragma unroll
             for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
+#pragma unroll
+            for (int i = 0; i < D / 16; ++i) fence_operands(qa[i]);
         };
 
         uint32_t first = 0; /* the tile's first ring item */
@@ -490,15 +516,16 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
             int t = 0;
             if (nb > 0) {
-                /* turn 0: S of block 0 */
+                /* turn 0: Q's fragments (Q landed with block 0), then S of block 0 */
                 wait_full(0);
+                load_q_fragments<D, ROWS>(qa, q_tile, wg_row0 + 16 * warp_in_wg, lane);
+                free_tile(); /* Q is in registers: the next tile's may overwrite it */
                 fence_registers();
                 wgmma_fence();
-                issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(0));
+                issue_scores_qreg<BF16, D>(s, qa, k_desc, stage_bytes(0));
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers();
-                if (nb == 1) free_tile(); /* its last S has landed: Q may be overwritten */
                 scores(0);
                 block_operands<BF16, D>(s, alpha, acc, pa);
                 /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
@@ -507,13 +534,12 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                     wait_full(t);
                     fence_registers();
                     wgmma_fence();
-                    issue_scores<BF16, D, ROWS * 128>(s, q_desc, k_desc, stage_bytes(t));
+                    issue_scores_qreg<BF16, D>(s, qa, k_desc, stage_bytes(t));
                     wgmma_commit();
                     issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1));
                     wgmma_commit();
                     wgmma_wait<1>();
                     fence_accumulators(s);
-                    if (t == nb - 1) free_tile();
                     const RowPair ended = seg;
                     const bool new_segment = starts_segment(t);
                     if (new_segment) set_empty(seg);

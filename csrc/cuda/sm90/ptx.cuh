@@ -136,6 +136,13 @@ struct SmemDesc {
     __device__ __forceinline__ uint64_t at(uint32_t offset) const {
         return ((uint64_t)hi << 32) | (uint32_t)(lo + (offset >> 4));
     }
+    /* the descriptor offset bytes further: a loop's per-stage base, so that each wgmma of the stage
+     * adds only its constant step to it */
+    __device__ __forceinline__ SmemDesc plus(uint32_t offset) const {
+        SmemDesc d = *this;
+        d.lo += offset >> 4;
+        return d;
+    }
 };
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
