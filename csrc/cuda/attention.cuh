@@ -233,8 +233,9 @@ __device__ __forceinline__ void merge_segment(float &m, float &l, float (&o)[N],
 
 /* The prefill kernels' segment end for a thread's two rows: each row's ended segment (ended.m, ended.l
  * and its D / 4 accumulators acc(h, j, e)) merged into its row state (row.m, row.l, o(h, j, e)) by
- * merge_segment, and acc restarted from zero. o and acc: the backend's places of row h's column pair
- * j, element e (sm80: registers; sm90: o in shared memory). */
+ * merge_segment. o and acc: the backend's places of row h's column pair j, element e (sm80:
+ * registers; sm90: o in shared memory). The caller restarts acc for the next segment (sm80 zeroes it;
+ * sm90's next P V overwrites it). */
 template <int D, class O, class Acc>
 __device__ __forceinline__ void merge_segment_rows(RowPair &row, const RowPair &ended, O o, Acc acc, float c) {
 #pragma unroll
@@ -251,10 +252,7 @@ __device__ __forceinline__ void merge_segment_rows(RowPair &row, const RowPair &
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                o(h, j, e) = o_row[2 * j + e];
-                acc(h, j, e) = 0.0f;
-            }
+            for (int e = 0; e < 2; ++e) o(h, j, e) = o_row[2 * j + e];
     }
 }
 

@@ -312,6 +312,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 row, seg, [&](int h, int nt, int e) -> float & { return o[nt][2 * h + e]; },
                 [&](int h, int nt, int e) -> float & { return acc[nt][2 * h + e]; }, p.scale_log2);
             set_empty(seg);
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
         }
     }
     cp_async_wait<0>();

@@ -9,16 +9,16 @@
  *     per SM taking tiles of 128 query rows of one (sequence, head) one after the other (its
  *     blockIdx.x, then tickets from an atomic counter, in the order of the heaviest causal tiles
  *     first): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a producer warpgroup
- *     (setmaxnreg: 48 registers, consumers 224) that loads each tile's Q and streams its K and V
- *     blocks of 64 keys with cp.async into a 4-stage ring completing on mbarriers (full: the
- *     producer's copies have landed and were fenced for the tensor cores; empty: every consumer warp
- *     is done with the stage), one stream across the tiles, so the next tile's Q and first blocks
- *     load while the consumers finish the current one.
+ *     (setmaxnreg: 48 registers, consumers 224) that streams each tile's K and V blocks of 64
+ *     keys with cp.async into a 4-stage ring completing on mbarriers (full: the producer's copies
+ *     have landed and were fenced for the tensor cores; empty: every consumer warp is done with the
+ *     stage), one stream across the tiles, so the next tile's first blocks load while the consumers
+ *     finish the current one. Each consumer warpgroup copies its own 64 Q rows into its own slab of
+ *     the Q tile, the next tile's under the current one's epilogue.
  *     Every tile is stored in the wgmma 128-byte swizzle (boxes of rows x 64 elements, 16-byte chunk c
  *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n64k16 over
- *     head_dim; Q as the register A operand, its fragments read once per tile by ldmatrix, so the
- *     consumers let the next tile's Q load right after; K from shared memory, K-major), the
- *     online-softmax update in registers, then
+ *     head_dim; Q as the register A operand, its fragments read from the slab once per tile by
+ *     ldmatrix; K from shared memory, K-major), the online-softmax update in registers, then
  *     acc = alpha acc + P V (wgmma m64n{d}k16 with P rounded to the dtype as the register A operand
  *     and V as an MN-major B operand). A consumer issues S of block t and then P V of block t - 1 as
  *     two wgmma groups and runs block t's softmax while that P V is still running; the two consumers
@@ -37,7 +37,7 @@
  *     triggers it as it starts, so its launch overlaps the split kernel (griddepcontrol).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
- * Shared memory (d = 128 / 64): prefill Q tile 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
+ * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
  * 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB; + 1 KB in which the
  * mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no spills): prefill 168
  * at entry (consumers then 224 and use 212 of them; producer 48), split 128 (consumer 208, uses 186),
@@ -210,24 +210,25 @@ __device__ __forceinline__ void issue_scores_qreg(float (&s)[BLOCK_N / 2], const
     for (int kk = 0; kk < D / 16; ++kk) wgmma_k16_rs<BLOCK_N, BF16, 0>(s, qa[kk], stage.at(k_major_step<BLOCK_N * 128>(kk)), kk > 0);
 }
 
-/* This thread's A fragments of a warp's 16 rows (row0 ..) of a ROWS x D tile in the box swizzle, by
- * ldmatrix: lane l addresses row row0 + l % 8 (+ 8 for l % 16 >= 8) at 16-byte chunk 2 kk (+ 1 for
- * l >= 16), so matrix i of k16 step kk lands in qa[kk][i] as wgmma_k16_rs wants it. */
-template <int D, int ROWS>
-__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[D / 16][4], uint32_t q_tile, int row0, int lane) {
+/* This thread's A fragments of a warp's 16 rows (row0 ..) of a warpgroup's 64 x D Q slab in the box
+ * swizzle, by ldmatrix: lane l addresses row row0 + l % 8 (+ 8 for l % 16 >= 8) at 16-byte chunk 2 kk
+ * (+ 1 for l >= 16), so matrix i of k16 step kk lands in qa[kk][i] as wgmma_k16_rs wants it. */
+template <int D>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[D / 16][4], uint32_t q_slab, int row0, int lane) {
     const int row = row0 + (lane & 15);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4<false>(qa[kk], q_tile + BoxSwizzle<ROWS>::at(row, 2 * kk + (lane >> 4)));
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4<false>(qa[kk], q_slab + BoxSwizzle<64>::at(row, 2 * kk + (lane >> 4)));
 }
 
 /* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments; v: the block's V
- * tile, stage_bytes past the ring's). */
+ * tile, stage_bytes past the ring's); fresh: the block starts a segment, whose acc starts from P V
+ * (the first step's scale-d 0) instead of from zeroed registers. */
 template <bool BF16, int D>
 __device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], const SmemDesc &v,
-                                         uint32_t stage_bytes) {
+                                         uint32_t stage_bytes, bool fresh = false) {
     const SmemDesc stage = v.plus(stage_bytes);
 #pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], stage.at(t * 16 * 128), 1);
+    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], stage.at(t * 16 * 128), t > 0 || !fresh);
 }
 
 /* x (a 64 x 64 accumulator tile) rounded to the dtype as the A fragments of a product over its 64
@@ -243,8 +244,8 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], ui
 /* The contract's block update between S and P V, for one warpgroup's 64 rows, in two parts so that
  * the first runs while the previous block's P V is still on the tensor cores:
  * block_scores: masks s, updates the state (m, l) and turns s into p (alpha: the rows' rescale);
- * block_operands (once that P V has landed): acc = alpha acc, and round(P) as the A fragments of the
- * next P V. key0: the absolute position of the block's first key; row_len: the visible keys of the
+ * block_operands (once that P V has landed): acc = alpha acc (not for a segment's first block,
+ * fresh: its P V starts acc, issue_pv), and round(P) as the A fragments of the next P V. key0: the absolute position of the block's first key; row_len: the visible keys of the
  * thread's two rows; masked: some row of the warpgroup cannot see the whole block. Accumulator layout
  * (wgmma): this thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e
  * in x[4 j + 2 h + e]. */
@@ -257,20 +258,21 @@ __device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, 
 
 template <bool BF16, int D>
 __device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], const float (&alpha)[2],
-                                               float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4]) {
-    rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
+                                               float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4], bool fresh) {
+    if (!fresh) rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
     to_a_fragments<BF16>(s, pa);
 }
 
-/* cp.async of a tile's Q rows (row r: query cta.query_of(r), head cta.head_of(r); zeros past rows_in)
- * into q_tile by THREADS threads (ROLLED: load_rows_async's) */
-template <int D, int ROWS, int THREADS, bool ROLLED>
-__device__ __forceinline__ void load_q_tile_async(uint32_t q_tile, const FwdParams &p, const FwdCta &cta, int tid) {
+/* cp.async of a warpgroup's 64 Q rows, tile rows row0 .. row0 + 63 (row r: query cta.query_of(r),
+ * head cta.head_of(r); zeros past rows_in), into its slab by its 128 threads (wg_tid) */
+template <int D>
+__device__ __forceinline__ void load_q_slab_async(uint32_t q_slab, const FwdParams &p, const FwdCta &cta, int row0,
+                                                  int wg_tid) {
     auto q_row = [&](int r) -> const uint16_t * {
-        if (r >= cta.rows_in) return nullptr;
-        return row_address(p.q, cta.b, cta.range.q_start + cta.query_of(r), cta.head_of(r));
+        if (row0 + r >= cta.rows_in) return nullptr;
+        return row_address(p.q, cta.b, cta.range.q_start + cta.query_of(row0 + r), cta.head_of(row0 + r));
     };
-    load_rows_async<D, ROWS, THREADS, BoxSwizzle<ROWS>, ROLLED>(q_tile, q_row, p.q.data, tid);
+    load_rows_async<D, 64, 128, BoxSwizzle<64>, false>(q_slab, q_row, p.q.data, wg_tid);
 }
 
 /* Consumer warpgroups of 64 rows (prefill 2, one CTA per SM: the two accumulator sets take ~200
@@ -311,21 +313,21 @@ struct FwdTiles {
  * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
  * launch. Its 64-key blocks are the items of one ring stream across the tiles (tile n's relative
  * block t is item first + t). A prefill CTA's tile n is published by the producer's thread 0: once
- * tile n - 1 is free (tile_free: every warp has read its number and every consumer warp has its Q
- * fragments in registers) it writes the number (-1: no more tiles) to the CTA's global slot n % 2 in
+ * tile n - 1 is free (tile_free: every warp has read its number) it writes the number (-1: no more tiles) to the CTA's global slot n % 2 in
  * the workspace and arrives on tile_ready[n % 2], on which every thread waits before it reads.
  * (A global slot because compute-sanitizer racecheck does not follow the mbarriers' ordering for
  * shared-memory loads and stores; the mbarriers order the global slot the same way.)
  *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty
  *     barrier: every consumer warp has released the block that used it before), copies K and V of
- *     block j into it with cp.async (rows past k_len zero-filled, not read; prefill: block 0 brings
- *     the tile's Q rows along; split: the consumers load Q themselves while the first blocks load,
- *     which keeps the producer's row-address arithmetic off a decode's short path), and once they
- *     have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives
- *     on the stage's full barrier. So the next tile's Q and first blocks load while the consumers
- *     finish and store the current one.
- *   consumer warpgroup, per tile: turns t = 0 .. blocks; turn t waits for block t to be full (turn 0
- *     then reads its rows' Q fragments and frees the tile's Q), then issues two commit groups: S of block t (its K), then P V of block t - 1 (its V). Once S has
+ *     block j into it with cp.async (rows past k_len zero-filled, not read), and once they have
+ *     landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives on
+ *     the stage's full barrier. So the next tile's first blocks load while the consumers finish and
+ *     store the current one.
+ *   consumer warpgroup, per tile: its Q rows (in flight since the previous tile's epilogue; the
+ *     first tile's since its start) waited for, read into registers as fragments and the slab freed,
+ *     both behind a warpgroup barrier (racecheck follows those; it does not follow mbarriers), then
+ *     turns t = 0 .. blocks; turn t waits for block t to be full, then issues two commit groups: S
+ *     of block t (its K), then P V of block t - 1 (its V). Once S has
  *     landed it runs the scores part of block t's update (max, alpha, p, l: block_scores) while that
  *     P V is still on the tensor cores; once P V has landed it releases block t - 1, merges a
  *     finished segment into the row state, and rescales acc by block t's alpha and rounds P
@@ -380,7 +382,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
         return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0);
     };
-    /* this warp is done with tile n's Q tile (consumer: its fragments are in registers; producer: has read its number) */
+    /* this warp has read tile n's number */
     auto free_tile = [&]() {
         if (lane == 0) mbar_arrive(tile_free_bar);
     };
@@ -413,7 +415,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             const uint16_t *k_src = row_address(p.k, cta.b, thread_row, cta.kv_head) + thread_col;
             const uint16_t *v_src = row_address(p.v, cta.b, thread_row, cta.kv_head) + thread_col;
             ring.produce(first, blocks, [&](int j, int s) {
-                if (Tiles::PERSISTENT && j == 0) load_q_tile_async<D, ROWS, 128, true>(q_tile, p, cta, ptid);
                 const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
                 const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
                 using KvRows = BoxSwizzle<BLOCK_N>;
@@ -450,21 +451,30 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             for (int i = 0; i < D / 16; ++i) fence_operands(qa[i]);
         };
 
-        uint32_t first = 0; /* the tile's first ring item */
-        for (int n = 0;; ++n) {
-            FwdCta cta;
+        /* the warpgroup's own Q slab: it copies its rows in and reads them out itself, ordered by its
+         * named barrier (compute-sanitizer racecheck follows those, not the ring's mbarriers) */
+        const uint32_t q_slab = q_tile + wg * (64 * D * 2);
+        /* tile n of this CTA (-1: none), its cta filled and its Q rows in flight into the slab */
+        auto start_tile = [&](int n, FwdCta &cta) {
             const int tile = tile_of(n, cta);
-            if (tile < 0) break;
-            if constexpr (Tiles::PERSISTENT) {
-                fwd_cta<ROWS, SPLIT>(p, tile, cta);
-            } else {
-                /* a split CTA's one tile: its consumers load Q, while the producer's first blocks load */
-                load_q_tile_async<D, ROWS, Tiles::CONSUMER_THREADS, false>(q_tile, p, cta, tid);
+            if (tile >= 0) {
+                if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT>(p, tile, cta);
+                load_q_slab_async<D>(q_slab, p, cta, wg_row0, tid & 127);
                 cp_async_commit();
-                cp_async_wait<0>();
-                fence_proxy_async_smem(); /* this thread's copies, visible to the tensor cores' reads */
-                warpgroup_sync(1);        /* every consumer thread's */
             }
+            return tile;
+        };
+
+        uint32_t first = 0; /* the tile's first ring item */
+        FwdCta cta;
+        for (int n = 0, tile = start_tile(0, cta); tile >= 0; ++n) {
+            /* Q's fragments once every thread's rows have landed; the slab free again (second barrier)
+             * and the tile's number read: free_tile */
+            cp_async_wait<0>();
+            warpgroup_sync(1 + wg);
+            load_q_fragments<D>(qa, q_slab, 16 * warp_in_wg, lane);
+            warpgroup_sync(1 + wg);
+            free_tile();
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
             const bool wg_has_rows = wg_row0 < cta.rows_in;
             const int wg_max_len = wg_has_rows ? cta.len_of(min(wg_row0 + 63, cta.rows_in - 1)) : 0;
@@ -483,8 +493,6 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                                  o_state[i * CONSUMER_THREADS] */
             set_empty(seg);
             set_empty(row);
-#pragma unroll
-            for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
             if constexpr (!SPLIT) {
 #pragma unroll
                 for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
@@ -505,7 +513,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             /* prefill: block t starts a segment, so the one before it ended one */
             auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % BLOCKS_PER_SEGMENT == 0; };
             /* prefill: merges an ended segment (its m and l in `ended`, its acc) into the row state;
-             * acc restarts from zero */
+             * the next segment's first P V overwrites acc (issue_pv's fresh) */
             auto merge_ended = [&](const RowPair &ended) {
                 if constexpr (!SPLIT)
                     merge_segment_rows<D>(
@@ -516,10 +524,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
             int t = 0;
             if (nb > 0) {
-                /* turn 0: Q's fragments (Q landed with block 0), then S of block 0 */
+                /* turn 0: S of block 0 */
                 wait_full(0);
-                load_q_fragments<D, ROWS>(qa, q_tile, wg_row0 + 16 * warp_in_wg, lane);
-                free_tile(); /* Q is in registers: the next tile's may overwrite it */
                 fence_registers();
                 wgmma_fence();
                 issue_scores_qreg<BF16, D>(s, qa, k_desc, stage_bytes(0));
@@ -527,7 +533,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 wgmma_wait<0>();
                 fence_registers();
                 scores(0);
-                block_operands<BF16, D>(s, alpha, acc, pa);
+                block_operands<BF16, D>(s, alpha, acc, pa, true);
+                bool fresh = true; /* the last scored block starts a segment: its P V starts acc */
                 /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
                  * softmax runs while that P V is on the tensor cores */
                 for (t = 1; t < nb; ++t) {
@@ -536,7 +543,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                     wgmma_fence();
                     issue_scores_qreg<BF16, D>(s, qa, k_desc, stage_bytes(t));
                     wgmma_commit();
-                    issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1));
+                    issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1), fresh);
                     wgmma_commit();
                     wgmma_wait<1>();
                     fence_accumulators(s);
@@ -548,13 +555,14 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                     fence_registers();
                     release(t);
                     if (new_segment) merge_ended(ended);
-                    block_operands<BF16, D>(s, alpha, acc, pa);
+                    block_operands<BF16, D>(s, alpha, acc, pa, new_segment);
+                    fresh = new_segment;
                 }
                 /* turn nb: P V of the last block */
                 wait_full(nb);
                 fence_registers();
                 wgmma_fence();
-                issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1));
+                issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1), fresh);
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers();
@@ -562,7 +570,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 merge_ended(seg);
                 t = nb + 1;
             } else {
-                free_tile();
+#pragma unroll
+                for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f; /* a split CTA's record of a segment it cannot see */
             }
             /* the blocks its rows cannot see: keep the barriers' phases in step */
             for (; t <= blocks; ++t) {
@@ -570,6 +579,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 release(t);
             }
             first += blocks;
+            /* the next tile's Q rows load under this one's epilogue */
+            FwdCta next_cta;
+            const int next = start_tile(n + 1, next_cta);
 
             const int col = 2 * (lane & 3);
 #pragma unroll
@@ -602,6 +614,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                                               head * p.lse.head_stride] = lse;
                 }
             }
+            cta = next_cta;
+            tile = next;
         }
     }
 }
