@@ -37,11 +37,11 @@
  *     triggers it as it starts, so its launch overlaps the split kernel (griddepcontrol).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
- * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 x (K, V) 128 / 64 KB + row states' o
- * 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB; + 1 KB in which the
- * mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no spills): prefill 168
- * at entry (consumers then 224 and use 212 of them; producer 48), split 128 (consumer 208, uses 186),
- * combine 136.
+ * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 x (K, V)
+ * 128 / 64 KB + row states' o 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB;
+ * + 1 KB in which the mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no
+ * spills): prefill 168 at entry (consumers then 224 and use 221 of them; producer 48), split 128
+ * (consumer 208, uses 172), combine 136.
  * Speed, what limits it and what was tried: docs/perf-notes.md ("Attention forward on wgmma");
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
@@ -207,7 +207,8 @@ __device__ __forceinline__ void issue_scores_qreg(float (&s)[BLOCK_N / 2], const
                                                   const SmemDesc &k, uint32_t stage_bytes) {
     const SmemDesc stage = k.plus(stage_bytes);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_k16_rs<BLOCK_N, BF16, 0>(s, qa[kk], stage.at(k_major_step<BLOCK_N * 128>(kk)), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_k16_rs<BLOCK_N, BF16, 0>(s, qa[kk], stage.at(k_major_step<BLOCK_N * 128>(kk)), kk > 0);
 }
 
 /* This thread's A fragments of a warp's 16 rows (row0 ..) of a warpgroup's 64 x D Q slab in the box
@@ -217,7 +218,8 @@ template <int D>
 __device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[D / 16][4], uint32_t q_slab, int row0, int lane) {
     const int row = row0 + (lane & 15);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4<false>(qa[kk], q_slab + BoxSwizzle<64>::at(row, 2 * kk + (lane >> 4)));
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4<false>(qa[kk], q_slab + BoxSwizzle<64>::at(row, 2 * kk + (lane >> 4)));
 }
 
 /* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments; v: the block's V
@@ -228,7 +230,8 @@ __device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&p
                                          uint32_t stage_bytes, bool fresh = false) {
     const SmemDesc stage = v.plus(stage_bytes);
 #pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t) wgmma_k16_rs<D, BF16, 1>(acc, pa[t], stage.at(t * 16 * 128), t > 0 || !fresh);
+    for (int t = 0; t < BLOCK_N / 16; ++t)
+        wgmma_k16_rs<D, BF16, 1>(acc, pa[t], stage.at(t * 16 * 128), t > 0 || !fresh);
 }
 
 /* x (a 64 x 64 accumulator tile) rounded to the dtype as the A fragments of a product over its 64
@@ -245,10 +248,11 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], ui
  * the first runs while the previous block's P V is still on the tensor cores:
  * block_scores: masks s, updates the state (m, l) and turns s into p (alpha: the rows' rescale);
  * block_operands (once that P V has landed): acc = alpha acc (not for a segment's first block,
- * fresh: its P V starts acc, issue_pv), and round(P) as the A fragments of the next P V. key0: the absolute position of the block's first key; row_len: the visible keys of the
- * thread's two rows; masked: some row of the warpgroup cannot see the whole block. Accumulator layout
- * (wgmma): this thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e
- * in x[4 j + 2 h + e]. */
+ * fresh: its P V starts acc, issue_pv), and round(P) as the A fragments of the next P V. key0: the
+ * absolute position of the block's first key; row_len: the visible keys of the thread's two rows;
+ * masked: some row of the warpgroup cannot see the whole block. Accumulator layout (wgmma): this
+ * thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e in
+ * x[4 j + 2 h + e]. */
 __device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&alpha)[2]) {
     auto scores = [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; };
@@ -313,8 +317,9 @@ struct FwdTiles {
  * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
  * launch. Its 64-key blocks are the items of one ring stream across the tiles (tile n's relative
  * block t is item first + t). A prefill CTA's tile n is published by the producer's thread 0: once
- * tile n - 1 is free (tile_free: every warp has read its number) it writes the number (-1: no more tiles) to the CTA's global slot n % 2 in
- * the workspace and arrives on tile_ready[n % 2], on which every thread waits before it reads.
+ * tile n - 1 is free (tile_free: every warp has read its number) it writes the number (-1: no more
+ * tiles) to the CTA's global slot n % 2 in the workspace and arrives on tile_ready[n % 2], on which
+ * every thread waits before it reads.
  * (A global slot because compute-sanitizer racecheck does not follow the mbarriers' ordering for
  * shared-memory loads and stores; the mbarriers order the global slot the same way.)
  *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty
@@ -327,14 +332,15 @@ struct FwdTiles {
  *     first tile's since its start) waited for, read into registers as fragments and the slab freed,
  *     both behind a warpgroup barrier (racecheck follows those; it does not follow mbarriers), then
  *     turns t = 0 .. blocks; turn t waits for block t to be full, then issues two commit groups: S
- *     of block t (its K), then P V of block t - 1 (its V). Once S has
- *     landed it runs the scores part of block t's update (max, alpha, p, l: block_scores) while that
- *     P V is still on the tensor cores; once P V has landed it releases block t - 1, merges a
- *     finished segment into the row state, and rescales acc by block t's alpha and rounds P
- *     (block_operands), as the contract's order acc = alpha acc + P V wants. A warpgroup whose rows
- *     cannot see block t (nb <= t) issues nothing for it but still waits and releases, so the
- *     barriers' phases stay in step. The two consumer warpgroups run unsynchronized; their wgmmas and
- *     softmaxes interleave on their own (forced turn-taking with named barriers measured 6% slower). */
+ *     of block t (its K), then P V of block t - 1 (its V). Once S has landed it runs the scores part
+ *     of block t's update (max, alpha, p, l: block_scores) while that P V is still on the tensor
+ *     cores; once P V has landed it releases block t - 1, merges a finished segment into the row
+ *     state, and rescales acc by block t's alpha (unless block t starts a segment: its P V then
+ *     starts acc) and rounds P (block_operands), as the contract's order acc = alpha acc + P V
+ *     wants. A warpgroup whose rows cannot see block t (nb <= t) issues nothing for it but still
+ *     waits and releases, so the barriers' phases stay in step. The two consumer warpgroups run
+ *     unsynchronized; their wgmmas and softmaxes interleave on their own (forced turn-taking with
+ *     named barriers measured 6% slower). */
 template <bool BF16, int D, bool SPLIT>
 __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT>::MIN_CTAS)
     attention_fwd_kernel(const FwdParams p) {
