@@ -97,7 +97,8 @@ __device__ __forceinline__ bool load_sequence(const Sequences &s, int b, Sequenc
 /* The contract's scaled(m) = round(m * c), 0 while m = -inf. States keep m only and recompute its
  * scaled value where it is needed (same bits, fewer live registers). */
 __device__ __forceinline__ float scaled(float m, float c) {
-    const float product = __fmul_rn(m, c); /* unconditional: a predicated multiply reloaded c from the constant bank */
+    /* the product unconditionally: a predicated multiply reloaded c from the constant bank */
+    const float product = __fmul_rn(m, c);
     return m == -INFINITY ? 0.0f : product;
 }
 
@@ -274,15 +275,14 @@ __device__ __forceinline__ void finalize_row(float m, float l, const float (&o)[
  * of row `row` (sm80: rows of D elements, chunks XOR row % 8; sm90: the wgmma 128-byte boxes). */
 
 /* Row r from row_ptr(r), or zeros where row_ptr(r) is null (that memory is not read: cp.async with
- * 0 source bytes; `fallback` is any valid address). ROLLED keeps the row loop a loop: a producer
- * warp with few registers cannot hold every row's address at once. */
-template <int D, int ROWS, int THREADS, class Swizzle, bool ROLLED = false, class RowPtr>
+ * 0 source bytes; `fallback` is any valid address). */
+template <int D, int ROWS, int THREADS, class Swizzle, class RowPtr>
 __device__ __forceinline__ void load_rows_async(uint32_t smem, RowPtr row_ptr, const void *fallback, int tid) {
     constexpr int CHUNKS_PER_ROW = D / 8;
     static_assert(THREADS % CHUNKS_PER_ROW == 0 && (ROWS * CHUNKS_PER_ROW) % THREADS == 0, "uneven tile load");
     constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
     const int r0 = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
-#pragma unroll(ROLLED ? 1 : ROWS / ROW_STEP)
+#pragma unroll
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
         const int r = r0 + i * ROW_STEP;
         const uint16_t *src = row_ptr(r);

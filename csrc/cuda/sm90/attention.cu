@@ -276,7 +276,7 @@ __device__ __forceinline__ void load_q_slab_async(uint32_t q_slab, const FwdPara
         if (row0 + r >= cta.rows_in) return nullptr;
         return row_address(p.q, cta.b, cta.range.q_start + cta.query_of(row0 + r), cta.head_of(row0 + r));
     };
-    load_rows_async<D, 64, 128, BoxSwizzle<64>, false>(q_slab, q_row, p.q.data, wg_tid);
+    load_rows_async<D, 64, 128, BoxSwizzle<64>>(q_slab, q_row, p.q.data, wg_tid);
 }
 
 /* Consumer warpgroups of 64 rows (prefill 2, one CTA per SM: the two accumulator sets take ~200
@@ -295,7 +295,8 @@ struct FwdTiles {
     static constexpr int THREADS = CONSUMER_THREADS + 128;
     static constexpr int STAGES = SPLIT ? 3 : 4;
     static constexpr int KV_BYTES = BLOCK_N * D * 2; /* one K or V block */
-    static constexpr int Q_BYTES = ROWS * D * 2;
+    static constexpr int Q_SLAB_BYTES = 64 * D * 2; /* a consumer warpgroup's 64 Q rows */
+    static constexpr int Q_BYTES = WARPGROUPS * Q_SLAB_BYTES;
     static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
@@ -459,7 +460,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
         /* the warpgroup's own Q slab: it copies its rows in and reads them out itself, ordered by its
          * named barrier (compute-sanitizer racecheck follows those, not the ring's mbarriers) */
-        const uint32_t q_slab = q_tile + wg * (64 * D * 2);
+        const uint32_t q_slab = q_tile + wg * Tiles::Q_SLAB_BYTES;
         /* tile n of this CTA (-1: none), its cta filled and its Q rows in flight into the slab */
         auto start_tile = [&](int n, FwdCta &cta) {
             const int tile = tile_of(n, cta);
