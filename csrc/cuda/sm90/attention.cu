@@ -156,24 +156,34 @@ struct Ring {
     /* producer warpgroup: for the items first + j, j < count, waits until the item's stage is free,
      * issues load(j, stage) (this thread's cp.async copies), and once item j - 1's copies have landed
      * (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) marks that item full;
-     * on return every item is marked full */
+     * on return every item is marked full. Item j - 1 is marked before the wait for a stage that is not
+     * free yet: a consumer may hold all but one stage while it waits for item j - 1 (the split kernel's
+     * holds three). */
     template <class Load>
     __device__ __forceinline__ void produce(uint32_t first, int count, Load load) const {
+        auto mark_full = [&](uint32_t item) {
+            fence_proxy_async_smem();
+            mbar_arrive(full_bar + 8 * (item % STAGES));
+        };
         for (int j = 0; j < count; ++j) {
             const int s = (first + j) % STAGES;
-            mbar_wait(empty_bar + 8 * s, (((first + j) / STAGES) & 1) ^ 1);
+            const uint32_t free_parity = (((first + j) / STAGES) & 1) ^ 1;
+            const bool mark_first = j > 0 && !mbar_ready(empty_bar + 8 * s, free_parity);
+            if (mark_first) {
+                cp_async_wait<0>();
+                mark_full(first + j - 1);
+            }
+            mbar_wait(empty_bar + 8 * s, free_parity);
             load(j, s);
             cp_async_commit();
-            if (j > 0) {
+            if (j > 0 && !mark_first) {
                 cp_async_wait<1>();
-                fence_proxy_async_smem();
-                mbar_arrive(full_bar + 8 * ((first + j - 1) % STAGES));
+                mark_full(first + j - 1);
             }
         }
         if (count > 0) {
             cp_async_wait<0>();
-            fence_proxy_async_smem();
-            mbar_arrive(full_bar + 8 * ((first + count - 1) % STAGES));
+            mark_full(first + count - 1);
         }
     }
     __device__ __forceinline__ void wait_full(uint32_t j) const {

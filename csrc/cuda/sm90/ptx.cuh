@@ -31,6 +31,15 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     } while (!done);
 }
 
+/* Whether the phase of the given parity has completed, without waiting. */
+__device__ __forceinline__ bool mbar_ready(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+
 /* Same box, written at the same shared-memory offset of every CTA in cta_mask (and counted on each CTA's
  * mbarrier at the same offset). */
 __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int inner, int outer,
