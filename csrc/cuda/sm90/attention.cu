@@ -157,8 +157,9 @@ struct Ring {
      * issues load(j, stage) (this thread's cp.async copies), and once item j - 1's copies have landed
      * (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) marks that item full;
      * on return every item is marked full. Item j - 1 is marked before the wait for a stage that is not
-     * free yet: a consumer may hold all but one stage while it waits for item j - 1 (the split kernel's
-     * holds three). */
+     * free yet, so a consumer waiting for it is not held until another consumer frees a stage, and one
+     * that holds all but one stage while it waits for it (a consumer running S a block ahead would)
+     * cannot deadlock. */
     template <class Load>
     __device__ __forceinline__ void produce(uint32_t first, int count, Load load) const {
         auto mark_full = [&](uint32_t item) {
