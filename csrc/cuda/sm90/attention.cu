@@ -587,9 +587,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 release(nb);
                 merge_ended(seg);
                 t = nb + 1;
-            } else {
+            } else if constexpr (SPLIT) {
 #pragma unroll
-                for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f; /* a split CTA's record of a segment it cannot see */
+                for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f; /* the record of a segment it cannot see */
             }
             /* the blocks its rows cannot see: keep the barriers' phases in step */
             for (; t <= blocks; ++t) {
