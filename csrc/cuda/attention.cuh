@@ -338,6 +338,9 @@ struct FwdParams : CallParams {
     /* persistent prefill: [0] tickets for the tiles after each CTA's first (zeroed at launch), then
      * two slots per CTA through which its producer publishes its tiles */
     int *tile_counter;
+    /* split (sm90): the grid's CTAs of one (row tile, kv head, sequence), its num_segments segments,
+     * run as one cluster whose rank 0 merges the rows (combine_row); no combine kernel */
+    int cluster_merge;
 };
 
 /* The rows and key blocks of a forward tile, decoded from its number (FwdParams: x + grid_x (y +
@@ -397,23 +400,12 @@ __device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tenso
     return (const uint16_t *)t.data + b * t.batch_stride + row * t.row_stride + head * t.head_stride;
 }
 
-/* Split schedule, second kernel: row (b, i, h) merges its segments 0 .. ceil(L / 512) - 1 in order
- * and normalizes, with the prefill kernel's merge_segment and finalize_row. D / 4 threads per row,
- * 4 consecutive columns each. */
+/* Split schedule, the merge of row (b, i, head): its segment records 0 .. ceil(L / 512) - 1 merged in
+ * order and normalized, with the prefill kernel's merge_segment and finalize_row; lane j of D / 4
+ * threads holds columns 4 j .. 4 j + 3. The combine kernel calls it, and so does (sm90) the split
+ * kernel's rank 0 when the segments ran as one cluster. */
 template <bool BF16, int D>
-__global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams p) {
-#if __CUDA_ARCH__ >= 900
-    /* launched as a programmatic dependent of the split kernel (launch_fwd): its CTAs may start before
-     * the split kernel ends; this waits until it has ended and its records are visible */
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    constexpr int LANES = D / 4, ROWS_PER_CTA = 128 / LANES;
-    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_CTA + threadIdx.x / LANES;
-    const int j = threadIdx.x % LANES;
-    if (row >= p.rows_total) return;
-    const int head = (int)(row % p.heads_q);
-    const int64_t bi = row / p.heads_q;
-    const int i = (int)(bi % p.seq.max_q_len), b = (int)(bi / p.seq.max_q_len);
+__device__ __forceinline__ void combine_row(const FwdParams &p, int b, int i, int head, int j) {
     SequenceRange range;
     if (!load_sequence(p.seq, b, range, true) || i >= range.q_len) return;
     const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
@@ -423,7 +415,7 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
      * 64 segments of a 32k cache) */
     constexpr int BATCH = 16;
     float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float *rec = p.partials + row * p.num_segments * (D + 4);
+    const float *rec = p.partials + (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments * (D + 4);
     for (int s0 = 0; s0 < segments; s0 += BATCH, rec += BATCH * (D + 4)) {
         float2 st[BATCH];
         float4 a[BATCH];
@@ -447,6 +439,22 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
     if (j == 0 && p.lse.data)
         ((float *)p.lse.data)[b * p.lse.batch_stride + (range.q_start + i) * p.lse.row_stride +
                               head * p.lse.head_stride] = lse;
+}
+
+/* Split schedule, second kernel: combine_row for every row (b, i, head), D / 4 threads per row. */
+template <bool BF16, int D>
+__global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams p) {
+#if __CUDA_ARCH__ >= 900
+    /* launched as a programmatic dependent of the split kernel (launch_fwd): its CTAs may start before
+     * the split kernel ends; this waits until it has ended and its records are visible */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    constexpr int LANES = D / 4, ROWS_PER_CTA = 128 / LANES;
+    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_CTA + threadIdx.x / LANES;
+    if (row >= p.rows_total) return;
+    const int64_t bi = row / p.heads_q;
+    combine_row<BF16, D>(p, (int)(bi / p.seq.max_q_len), (int)(bi % p.seq.max_q_len), (int)(row % p.heads_q),
+                         threadIdx.x % LANES);
 }
 
 /* ------------------------------------ backward ---------------------------------------------- */
@@ -624,19 +632,21 @@ CallParams call_params(const rlk_attention_args *a) {
 
 /* The forward of a backend on `stream`: the prefill kernel over the tiles (head, 64- or 128-row tile,
  * sequence), or the split kernel over (segment, row tile x kv head, sequence) and then the combine
- * kernel. Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES, MIN_CTAS,
+ * kernel (none when the segments are at most merge_cluster_max: the split kernel's clusters merge).
+ * Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES, MIN_CTAS,
  * PERSISTENT); prefill and split are its attention_fwd_kernel<BF16, D, false> and <BF16, D, true>.
  * A PERSISTENT prefill plan gets MIN_CTAS CTAs per SM (fewer when there are fewer tiles; at most
  * PERSISTENT_CTAS_MAX), each taking tile blockIdx.x first and then tickets from a counter in the
  * workspace (persistent_workspace_bytes; the counter zeroed here). */
 template <bool BF16, int D, template <int, bool> class Tiles>
 int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream, void (*prefill)(FwdParams),
-               void (*split)(FwdParams), bool dependent_combine) {
+               void (*split)(FwdParams), bool dependent_combine, int merge_cluster_max) {
     static_assert(Tiles<D, true>::ROWS == SPLIT_ROWS, "pick_schedule sizes the split schedule by its CTA rows");
     static_assert(!Tiles<D, true>::PERSISTENT, "the split schedule's grid is a CTA per tile");
     FwdParams p{call_params(a)};
     p.partials = (float *)a->workspace;
     p.num_segments = (int)split_segments(a);
+    p.cluster_merge = 0;
     p.rows_total = a->batch * a->max_q_len * a->heads_q;
     p.tile_counter = nullptr;
     if (p.rows_total == 0) return RLK_OK;
@@ -675,10 +685,24 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
     if (p.num_segments > 0) {
         err = cudaFuncSetAttribute(split, cudaFuncAttributeMaxDynamicSharedMemorySize, SplitTiles::SMEM_BYTES);
         if (err != cudaSuccess) return (int)err;
-        split<<<dim3((unsigned)p.num_segments, (unsigned)(row_tiles * a->heads_kv), (unsigned)a->batch),
-                SplitTiles::THREADS, SplitTiles::SMEM_BYTES, stream>>>(p);
-        err = cudaGetLastError();
-        if (err != cudaSuccess) return (int)err;
+        /* merge_cluster_max (sm90): up to that many segments run as one cluster per (row tile, kv head,
+         * sequence) and merge there: the combine kernel's launch and its wait for the split grid's end
+         * were 2-4 us of a 15 us decode step */
+        p.cluster_merge = p.num_segments <= merge_cluster_max;
+        cudaLaunchAttribute cluster;
+        cluster.id = cudaLaunchAttributeClusterDimension;
+        cluster.val.clusterDim.x = (unsigned)p.num_segments;
+        cluster.val.clusterDim.y = 1;
+        cluster.val.clusterDim.z = 1;
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3((unsigned)p.num_segments, (unsigned)(row_tiles * a->heads_kv), (unsigned)a->batch);
+        config.blockDim = dim3(SplitTiles::THREADS);
+        config.dynamicSmemBytes = SplitTiles::SMEM_BYTES;
+        config.stream = stream;
+        config.attrs = &cluster;
+        config.numAttrs = p.cluster_merge ? 1 : 0;
+        err = cudaLaunchKernelEx(&config, split, p);
+        if (err != cudaSuccess || p.cluster_merge) return (int)err;
     }
     /* dependent_combine (a split kernel that triggers its dependents as it starts, sm90): the combine
      * kernel is launched as a programmatic dependent, so its launch and CTA start-up overlap the split

@@ -620,7 +620,7 @@ struct Forward {
     }
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                            attention_fwd_kernel<BF16, D, true>, false);
+                                            attention_fwd_kernel<BF16, D, true>, false, 0);
     }
 };
 

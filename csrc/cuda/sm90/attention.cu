@@ -34,7 +34,11 @@
  *     row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel (cuda/attention.cuh, as
  *     sm80's) merges each row's segments in increasing order and normalizes (head_dim / 4 threads per
  *     row, 4 columns each). It is launched as a programmatic dependent of the split kernel, which
- *     triggers it as it starts, so its launch overlaps the split kernel (griddepcontrol).
+ *     triggers it as it starts, so its launch overlaps the split kernel (griddepcontrol). When a
+ *     call's keys are at most MERGE_CLUSTER_MAX segments (caches up to 4096 keys), no combine kernel
+ *     runs: the segments of one (row tile, kv head, sequence) are one thread-block cluster, and its
+ *     rank 0 merges the rows with the combine kernel's combine_row once every rank's records are
+ *     written (merge_in_cluster).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
  * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 x (K, V)
@@ -104,6 +108,9 @@ namespace {
 static_assert(BLOCK_N == 64, "the kernels' key tiles are 64 keys (wgmma n64 for S, 4 k16 steps of P V)");
 
 constexpr int TILE_ALIGN = 1024; /* 128-byte swizzle atoms: 8 rows x 128 bytes */
+/* split schedule: up to this many segments (caches up to 4k keys) merge in the split kernel's
+ * clusters, one per (row tile, kv head, sequence) (merge_in_cluster); 8 is the portable cluster size */
+constexpr int MERGE_CLUSTER_MAX = 8;
 
 /* ------------------------------------ shared-memory tiles ----------------------------------- */
 
@@ -312,8 +319,8 @@ struct FwdTiles {
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
-    /* the ring's 2 STAGES mbarriers, tile_free, tile_ready[2] */
-    static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + 3 * 8;
+    /* the ring's 2 STAGES mbarriers, tile_free, tile_ready[2], split: merge (merge_in_cluster) */
+    static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + (SPLIT ? 4 : 3) * 8;
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
     static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
     /* prefill: one CTA per SM takes tile after tile (launch_fwd); split: a CTA per tile */
@@ -323,6 +330,27 @@ struct FwdTiles {
     static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
     static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
 };
+
+/* Split schedule in clusters (FwdParams::cluster_merge): the grid's segments of one (row tile, kv head,
+ * sequence) are the CTAs of one cluster, rank = segment. Each consumer thread, its records written
+ * (or none: a CTA without work), arrives on rank 0's merge barrier with release semantics; rank 0's
+ * consumer warpgroup waits for all of them and merges the tile's rows with the combine kernel's
+ * combine_row, which reads the records back from global memory (L2). A rank other than 0 may exit
+ * at once: only its own shared memory would make it wait, and nobody reads that. */
+template <bool BF16, int D>
+__device__ __forceinline__ void merge_in_cluster(const FwdParams &p, uint32_t merge_bar, int tid) {
+    cluster_wait(); /* the barrier's init */
+    mbar_arrive_release_cluster(merge_bar, 0);
+    if (cluster_ctarank() != 0) return;
+    mbar_wait_acquire_cluster(merge_bar, 0);
+    constexpr int LANES = D / 4;
+    const int kv_head = blockIdx.y % p.heads_kv, row0 = (blockIdx.y / p.heads_kv) * SPLIT_ROWS;
+    for (int r = tid / LANES; r < SPLIT_ROWS; r += 128 / LANES) {
+        const int i = (row0 + r) / p.group;
+        if (i >= p.seq.max_q_len) break;
+        combine_row<BF16, D>(p, blockIdx.z, i, kv_head * p.group + (row0 + r) % p.group, tid % LANES);
+    }
+}
 
 /* Pipeline, per CTA. The CTA takes tiles (rows of one (sequence, head) or, split, of one (sequence,
  * kv head, segment)) one after the other: a split CTA its blockIdx only; a prefill CTA tile blockIdx.x,
@@ -363,6 +391,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     const uint32_t full_bar = smem_u32(smem_raw);
     const Ring<STAGES> ring{full_bar, full_bar + 8 * STAGES};
     const uint32_t tile_free_bar = full_bar + 16 * STAGES, tile_ready_bar = tile_free_bar + 8; /* + 8 (n % 2) */
+    const uint32_t merge_bar = tile_ready_bar + 16;
     const uint32_t q_tile = first_tile(full_bar, Tiles::BARRIER_BYTES);
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
@@ -378,8 +407,17 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         mbar_init(tile_free_bar, 4 * WARPGROUPS + 4);
         mbar_init(tile_ready_bar, 1);
         mbar_init(tile_ready_bar + 8, 1);
+        if constexpr (SPLIT)
+            if (p.cluster_merge) {
+                mbar_init(merge_bar, 128 * gridDim.x); /* every consumer thread of the cluster's CTAs */
+                fence_mbarrier_init();
+            }
     }
     __syncthreads(); /* the initialized barriers */
+    /* split in clusters: the merge barrier's init ordered before any CTA's arrival on it (cluster_wait,
+     * long after this, right before the arrival) */
+    if constexpr (SPLIT)
+        if (p.cluster_merge) cluster_arrive_relaxed();
 
     /* prefill: the tile numbers in ticket order (the CTA's first, then one per call), and the first
      * of them from `from` on whose tile has work (-1: none left) */
@@ -635,6 +673,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             cta = next_cta;
             tile = next;
         }
+        if constexpr (SPLIT)
+            if (p.cluster_merge) merge_in_cluster<BF16, D>(p, merge_bar, tid);
     }
 }
 
@@ -1006,7 +1046,8 @@ struct Forward {
     }
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                            attention_fwd_kernel<BF16, D, true>, true);
+                                            attention_fwd_kernel<BF16, D, true>, true,
+                                            MERGE_CLUSTER_MAX);
     }
 };
 

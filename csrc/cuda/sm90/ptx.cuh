@@ -64,6 +64,34 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
     return r;
 }
 
+/* The cluster's barrier in two halves: arrive (relaxed: orders nothing but fence_mbarrier_init's
+ * inits) and wait (acquire). */
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+
+/* This thread's mbarrier inits visible to the cluster (before a cluster barrier). */
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/* Arrive on the mbarrier at the same offset in CTA cta_rank of this cluster, releasing this thread's
+ * earlier global and shared stores to the cluster (mbar_wait_acquire_cluster on the other side). */
+__device__ __forceinline__ void mbar_arrive_release_cluster(uint32_t bar, uint32_t cta_rank) {
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n"
+                 ::"r"(bar), "r"(cta_rank) : "memory");
+}
+
+/* mbar_wait, acquiring at cluster scope what the arrivals released. */
+__device__ __forceinline__ void mbar_wait_acquire_cluster(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
