@@ -686,9 +686,17 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
         err = cudaFuncSetAttribute(split, cudaFuncAttributeMaxDynamicSharedMemorySize, SplitTiles::SMEM_BYTES);
         if (err != cudaSuccess) return (int)err;
         /* merge_cluster_max (sm90): up to that many segments run as one cluster per (row tile, kv head,
-         * sequence) and merge there: the combine kernel's launch and its wait for the split grid's end
-         * were 2-4 us of a 15 us decode step */
-        p.cluster_merge = p.num_segments <= merge_cluster_max;
+         * sequence) and merge there, when the grid is one wave: the combine kernel's launch and its
+         * wait for the split grid's end cost a one-wave decode more than the merge inside (H100, 1k
+         * cache: B = 16 32.9 -> 32.3 us), while in a grid of several waves a rank 0 waiting for its
+         * cluster holds a CTA slot (B = 64: 103 -> 107 us) */
+        if (p.num_segments <= merge_cluster_max) {
+            int device, sms;
+            err = cudaGetDevice(&device);
+            if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+            if (err != cudaSuccess) return (int)err;
+            p.cluster_merge = p.tiles <= sms * SplitTiles::MIN_CTAS;
+        }
         cudaLaunchAttribute cluster;
         cluster.id = cudaLaunchAttributeClusterDimension;
         cluster.val.clusterDim.x = (unsigned)p.num_segments;
