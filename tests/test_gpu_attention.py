@@ -269,6 +269,9 @@ def test_decode_batch_1_vs_16_and_stale_nan(backend):
     k_last = torch.stack([s[1][0, -1:] for s in seqs])
     v_last = torch.stack([s[2][0, -1:] for s in seqs])
     seqlens = i32([n - 1 for n in lengths])
+    # sm90: the batched step (16 x 8 x 4 segment CTAs, more than one wave) merges in the combine
+    # kernel, each sequence alone (one wave) in the split kernel's clusters: `one` == `batched` below
+    # is the proof that both merges give the same bits
     batched = rl_kernels.attention_with_kvcache(q_last, k_cache, v_cache, seqlens, k_new=k_last,
                                                 v_new=v_last, backend=backend)
     assert torch.isfinite(batched).all()
@@ -281,8 +284,8 @@ def test_decode_batch_1_vs_16_and_stale_nan(backend):
     clean_k, clean_v = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     clean = rl_kernels.attention_with_kvcache(q_last, clean_k, clean_v, seqlens + 1, backend=backend)
     assert torch.equal(clean, batched)
-    # a cache of 4608 rows: 9 segments, more than sm90's split kernel merges in its clusters (at most
-    # 8: the 2048-row cache above), so the combine kernel merges; the same bits
+    # a cache of 4608 rows: 9 segments, more than a cluster of sm90's split kernel holds (8); the same
+    # bits
     wide_k = torch.cat([clean_k, torch.zeros_like(clean_k)[:, :2560]], 1)
     wide_v = torch.cat([clean_v, torch.zeros_like(clean_v)[:, :2560]], 1)
     wide = rl_kernels.attention_with_kvcache(q_last, wide_k, wide_v, seqlens + 1, backend=backend)
@@ -709,9 +712,9 @@ def _kernels_of(call):
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_decode_call_launches_our_kernels_and_the_append_only(backend):
-    """A decode step runs the split and combine kernels (sm90, caches up to 4096 keys: the split
-    kernel alone, its clusters merge) and nothing else: no range tensors, no zero-filled out, no
-    -inf lse; with new keys and an int cache_seqlens, two copies beside them.
+    """A decode step runs the split and combine kernels (sm90, caches up to 4096 keys in a grid of
+    one wave: the split kernel alone, its clusters merge) and nothing else: no range tensors, no
+    zero-filled out, no -inf lse; with new keys and an int cache_seqlens, two copies beside them.
     A prefill call without ranges runs the prefill kernel alone (sm90: after a memset of its tile
     counter, the persistent kernel's work queue)."""
     q, k, v = qkv(2, 1, 1024, 32, 8, 128, seed=150)
