@@ -632,7 +632,8 @@ CallParams call_params(const rlk_attention_args *a) {
 
 /* The forward of a backend on `stream`: the prefill kernel over the tiles (head, 64- or 128-row tile,
  * sequence), or the split kernel over (segment, row tile x kv head, sequence) and then the combine
- * kernel (none when the segments are at most merge_cluster_max: the split kernel's clusters merge).
+ * kernel (none when the segments are at most merge_cluster_max and the grid is one wave: the split
+ * kernel's clusters merge).
  * Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES, MIN_CTAS,
  * PERSISTENT); prefill and split are its attention_fwd_kernel<BF16, D, false> and <BF16, D, true>.
  * A PERSISTENT prefill plan gets MIN_CTAS CTAs per SM (fewer when there are fewer tiles; at most

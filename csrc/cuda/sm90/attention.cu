@@ -36,9 +36,9 @@
  *     row, 4 columns each). It is launched as a programmatic dependent of the split kernel, which
  *     triggers it as it starts, so its launch overlaps the split kernel (griddepcontrol). When a
  *     call's keys are at most MERGE_CLUSTER_MAX segments (caches up to 4096 keys) and its grid is one
- *     wave, no combine kernel runs: the segments of one (row tile, kv head, sequence) are one thread-block cluster, and its
- *     rank 0 merges the rows with the combine kernel's combine_row once every rank's records are
- *     written (merge_in_cluster).
+ *     wave, no combine kernel runs: the segments of one (row tile, kv head, sequence) are one
+ *     thread-block cluster, and its rank 0 merges the rows with the combine kernel's combine_row once
+ *     every rank's records are written (merge_in_cluster).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
  * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 x (K, V)
