@@ -342,7 +342,7 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, uint32_t me
     cluster_wait(); /* the barrier's init */
     mbar_arrive_release_cluster(merge_bar, 0);
     if (cluster_ctarank() != 0) return;
-    mbar_wait_acquire_cluster(merge_bar, 0);
+    mbar_wait<true>(merge_bar, 0);
     constexpr int LANES = D / 4;
     const int kv_head = blockIdx.y % p.heads_kv, row0 = (blockIdx.y / p.heads_kv) * SPLIT_ROWS;
     for (int r = tid / LANES; r < SPLIT_ROWS; r += 128 / LANES) {

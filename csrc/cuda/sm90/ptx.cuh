@@ -21,13 +21,20 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-/* Spin until the phase with the given parity has completed. */
+/* Spin until the phase with the given parity has completed; ACQUIRE_CLUSTER: acquiring at cluster
+ * scope what the arrivals released (mbar_arrive_release_cluster), not only at the CTA's. */
+template <bool ACQUIRE_CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done;
     do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        if constexpr (ACQUIRE_CLUSTER)
+            asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                         "selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        else
+            asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                         "selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
 }
 
@@ -75,21 +82,11 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 }
 
 /* Arrive on the mbarrier at the same offset in CTA cta_rank of this cluster, releasing this thread's
- * earlier global and shared stores to the cluster (mbar_wait_acquire_cluster on the other side). */
+ * earlier global and shared stores to the cluster (mbar_wait<true> on the other side). */
 __device__ __forceinline__ void mbar_arrive_release_cluster(uint32_t bar, uint32_t cta_rank) {
     asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
                  "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n"
                  ::"r"(bar), "r"(cta_rank) : "memory");
-}
-
-/* mbar_wait, acquiring at cluster scope what the arrivals released. */
-__device__ __forceinline__ void mbar_wait_acquire_cluster(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
 }
 
 __device__ __forceinline__ void cluster_sync() {
