@@ -666,8 +666,7 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
         dim3 grid((unsigned)a->heads_q, (unsigned)row_tiles, (unsigned)a->batch);
         if (PrefillTiles::PERSISTENT) {
             int device, sms;
-            err = cudaGetDevice(&device);
-            if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+            err = current_device(&device, &sms);
             p.tile_counter = (int *)a->workspace;
             if (err == cudaSuccess) err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
             if (err != cudaSuccess) return (int)err;
@@ -693,8 +692,7 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
          * cluster holds a CTA slot (B = 64: 103 -> 107 us) */
         if (p.num_segments <= merge_cluster_max) {
             int device, sms;
-            err = cudaGetDevice(&device);
-            if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+            err = current_device(&device, &sms);
             if (err != cudaSuccess) return (int)err;
             p.cluster_merge = p.tiles <= sms * SplitTiles::MIN_CTAS;
         }

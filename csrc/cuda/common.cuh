@@ -1,6 +1,6 @@
 /* cuda/common.cuh: the device primitives every CUDA kernel file shares (sm_80 and later): cp.async,
  * ldmatrix, the m16n8k16 tensor-core step, and element conversions between the storage dtypes
- * (fp32, bf16, fp16) and fp32.
+ * (fp32, bf16, fp16) and fp32; on the host, the current device and its SM count.
  *
  * Everything here is inline with internal linkage; a .cu file includes what it uses. Architecture-
  * specific primitives live beside their kernels (cuda/sm90/ptx.cuh for TMA, mbarriers, wgmma).
@@ -133,6 +133,13 @@ __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+/* The current device and its SM count (grids sized to the machine are sized by it). */
+static inline cudaError_t current_device(int *device, int *num_sms) {
+    cudaError_t err = cudaGetDevice(device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, *device);
+    return err;
 }
 
 #endif /* RLK_CUDA_COMMON_CUH_ */

@@ -541,8 +541,7 @@ extern "C" int rlk_gemm_sm80(const rlk_gemm_args *args, rlk_context *ctx) {
     if (ctx->plan_only) return RLK_OK;
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
     int device, num_sms;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
     if (fp32) {
         const int64_t large_fp32_tiles = ((args->M + 127) / 128) * ((args->N + 127) / 128);

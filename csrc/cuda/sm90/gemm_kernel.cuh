@@ -815,11 +815,4 @@ static inline gemm_sm90_params gemm_params(const rlk_gemm_args *args) {
     return p;
 }
 
-/* The current device and its SM count (the persistent grids are sized by it). */
-static inline cudaError_t current_device(int *device, int *num_sms) {
-    cudaError_t err = cudaGetDevice(device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, *device);
-    return err;
-}
-
 #endif /* RLK_CUDA_SM90_GEMM_KERNEL_CUH_ */
