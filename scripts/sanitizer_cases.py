@@ -22,6 +22,10 @@ def main():
             rl_kernels.det_gemm(a, w.t().contiguous(), out_dtype=torch.float32, backend=backend)
             rl_kernels.matmul(a.t().contiguous().t(), w.t(), backend=backend)
             rl_kernels.addmm(randn(n), a, w.t(), beta=0.5, backend=backend)
+        # K >= 65536 (sm90 K chains): a tile's chains spread over CTAs (M = 200), and run in turn (M = 1)
+        w = randn(300, 65600)
+        for m in (200, 1):
+            rl_kernels.det_gemm(randn(m, 65600), w.t(), backend=backend)
     rl_kernels.matmul(randn(33, 45, dtype=torch.float32), randn(45, 19, dtype=torch.float32))  # 64 x 64 tiles
     big_a, big_b = randn(1100, 37, dtype=torch.float32), randn(2100, 37, dtype=torch.float32)  # 128 x 128
     rl_kernels.matmul(big_a, big_b.t())

@@ -63,6 +63,32 @@ def test_rows_bitwise_invariant_at_training_token_counts(backend, k, n):
             f"suffix M={m} differs"
 
 
+# The LM head's dX (K = 151936): on sm90 its k-slices run as 4 chains summed in order (K >= 65536),
+# whole tiles chain after chain below one wave of tiles per round, the last round's tiles spread
+# chain by chain over CTAs; the narrow decode configs, all-split, whole rounds + a split round, and
+# whole rounds alone all occur among these M.
+HEAD_DX_M = [1, 7, 64, 100, 128, 129, 209, 304, 446, 791, 1025, 1468, 2661, 4096]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_k_chains_rows_bitwise_invariant_and_accurate(backend):
+    vocab, hidden = 151936, 4096
+    g = cuda_randn(4096, vocab, seed=31, scale=0.05)
+    w = cuda_randn(vocab, hidden, seed=32, scale=hidden ** -0.5)  # dX = g @ w: B MN-major, as autograd has it
+    full = rl_kernels.det_gemm(g, w, backend=backend)
+    for m in HEAD_DX_M:
+        assert torch.equal(rl_kernels.det_gemm(g[:m], w, backend=backend), full[:m]), f"prefix M={m} differs"
+        assert torch.equal(rl_kernels.det_gemm(g[4096 - m:], w, backend=backend), full[4096 - m:]), \
+            f"suffix M={m} differs"
+    w_k_major = w.t().contiguous().t()  # the same B, K-major: other tile configs
+    for m in (1, 209, 2661):
+        assert torch.equal(rl_kernels.det_gemm(g[:m], w_k_major, backend=backend), full[:m]), f"K-major M={m}"
+    rows = g[:16].double() @ w.double()
+    assert rel_err(rl_kernels.det_gemm(g[:16], w, out_dtype=torch.float32, backend=backend), rows) <= 3e-4
+    assert rel_err(rl_kernels.det_gemm(g[4080:], w, out_dtype=torch.float32, backend=backend),
+                   g[4080:].double() @ w.double()) <= 3e-4
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_chunked_prefill_padding_repeats_and_tile_placement(backend, activations):
     a = activations[:2048, :4096]

@@ -16,7 +16,8 @@
  * are not read), beta == 0 as c == NULL (C is not read).
  *
  * Batch invariance: for every output element the K reduction runs in one order that depends on
- * K (and N, dtypes, layouts) only. Never split K by M, never use atomics.
+ * K (and N, dtypes, layouts) only. Never split K by M, no order-dependent atomics (sm90's K chains
+ * count arrivals only to pick which CTA forms their fixed-order sum).
  * Sizes: M, N >= 1; K >= 0 (K == 0 gives beta * C, or 0).
  *
  * Kernels (csrc/kernels.def): cpu (all dtypes), sm80 (bf16/fp16 on mma.sync; fp32 on FFMA, never
@@ -47,7 +48,8 @@ typedef struct rlk_gemm_args {
     int64_t ldo;
     double alpha, beta; /* as given; the fp32 kernels round them to fp32 */
     void *workspace;    /* ctx->workspace_bytes as planned, or NULL: a kernel that plans scratch memory
-                           runs without it when given none (sm90: stream-K tiling, same results) */
+                           runs without it when given none (sm90: stream-K tiling, same results), except
+                           sm90 at K >= 65536 (K chains: their running sums), which fails */
 } rlk_gemm_args;
 
 typedef int rlk_gemm_fn(const rlk_gemm_args *args, rlk_context *ctx);

@@ -33,17 +33,17 @@
  */
 #include "gemm_kernel.cuh"
 
-template <typename OutT>
-using GemmTiles = store_tiles<OutT, gemm_value>;
-
 /* The tile configs. All of them compute every output element with the same k16 wgmma sequence, so the
  * choice among them is a performance choice only (bitwise-equal rows are tested across them). */
 enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_TALL, CONFIG_NARROW96, CONFIG_NARROW48, CONFIG_NARROW32,
        CONFIG_NARROW16, CONFIG_NARROW96_X2, CONFIG_NARROW64_X2, CONFIG_NARROW48_X2, CONFIG_NARROW32_X2,
        CONFIG_NARROW16_X2 };
-static const int config_bm[CONFIG_TALL + 1] = {128, 128, 64, 128};
-static const int config_bn[CONFIG_TALL + 1] = {256, 128, 64, 64};
-static const int config_consumers[CONFIG_TALL + 1] = {2, 2, 1, 2};
+static const int config_bn[CONFIG_NARROW16_X2 + 1] = {256, 128, 64, 64, 96, 48, 32, 16, 96, 64, 48, 32, 16};
+static const int config_consumers[CONFIG_NARROW16_X2 + 1] = {2, 2, 1, 2, 1, 1, 1, 1, 2, 2, 2, 2, 2};
+/* clusters of 2 share B by multicast: large, medium, and tall with K-major B (launch_config) */
+static int config_cluster(int config, bool b_mn) {
+    return config == CONFIG_LARGE || config == CONFIG_MEDIUM || (config == CONFIG_TALL && !b_mn) ? 2 : 1;
+}
 /* ns per k16 step of a wave of tiles, measured on the H100 (bench_gemm_layer, median over the Qwen3-8B
  * layer shapes; docs/perf-notes.md "Layer GEMMs at ragged token counts"). */
 static const int config_step_ns[CONFIG_TALL + 1] = {197, 126, 74, 106};
@@ -54,9 +54,28 @@ static const int config_step_ns[CONFIG_TALL + 1] = {197, 126, 74, 106};
 #define STREAM_K_EXTRA_WAVES 0.45
 #define STREAM_K_FIXED_NS 2000.0
 
+/* K chains (gemm_kernel.cuh): from K = 65536 on, the k-slices are cut into K_CHAIN_COUNT chains of equal
+ * length (the last one shorter) summed in order, at every M of the shape: a function of K alone. The
+ * LM head's dX (K = 151936) has 32 tiles at M = 209, and its chains spread a tile over 4 CTAs; at any
+ * M they fill the last wave with quarters of tiles instead of whole ones. Shorter chains also lose
+ * less to the tensor cores' truncating accumulator adds (perf-notes: linear_logp's chains). Why 4: each
+ * chain boundary of a whole tile costs time (8 chains made the head's dX 5% slower at M = 16384, 16
+ * chains 30%; 4 chains none), and 4 quarters still fill the wave at M = 209 (docs/perf-notes.md). */
+#define CHAIN_MIN_K 65536
+#define K_CHAIN_COUNT 4
+/* the split pieces' cost beyond their share: the arrival counters' memset and the last piece of each
+ * tile loading every chain's slot */
+#define CHAIN_SPLIT_FIXED_NS 5000.0
+
+static int chain_tiles(int64_t K) {
+    const int k_tiles = (int)((K + 63) / 64);
+    return K >= CHAIN_MIN_K ? (k_tiles + K_CHAIN_COUNT - 1) / K_CHAIN_COUNT : (k_tiles > 0 ? k_tiles : 1);
+}
+
 typedef struct gemm_plan {
     int config;
-    bool stream_k;
+    bool stream_k;     /* an equal share of the k-slices per cluster (unchained shapes) */
+    bool chain_split;  /* the last, partly empty round of items by chains (chained shapes) */
 } gemm_plan;
 
 /* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers). Each tile is one
@@ -66,7 +85,18 @@ typedef struct gemm_plan {
  * waves). Otherwise the fewest estimated ns among the first four, each either in waves of whole tiles
  * (the last wave partly empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal
  * share of the k-slices per SM, plus its overhead). */
-static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool may_stream_k, int num_sms) {
+static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool has_workspace, int num_sms) {
+    const int chains = K >= CHAIN_MIN_K ? K_CHAIN_COUNT : 1;
+    const double steps = (double)((K + 63) / 64 * 4);
+    if (M <= 128 && chains > 1) {
+        /* K chains: 64 columns, one or two consumers; a row of tiles that leaves SMs idle is split */
+        const int64_t tiles = (N + 63) / 64, rest = tiles % num_sms;
+        const double waves_ns = (double)((tiles + num_sms - 1) / num_sms) * steps;
+        const double split_ns = (double)(tiles / num_sms) * steps +
+                                (double)((rest * chains + num_sms - 1) / num_sms) * ceil(steps / chains) +
+                                CHAIN_SPLIT_FIXED_NS / config_step_ns[CONFIG_SMALL];
+        return {M > 64 ? CONFIG_NARROW64_X2 : CONFIG_SMALL, false, has_workspace && rest > 0 && split_ns < waves_ns};
+    }
     if (M <= 128) {
         static const int widths[] = {16, 32, 48, 64, 96};
         static const int configs[2][5] = {
@@ -74,69 +104,93 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ma
             {CONFIG_NARROW16_X2, CONFIG_NARROW32_X2, CONFIG_NARROW48_X2, CONFIG_NARROW64_X2, CONFIG_NARROW96_X2}};
         const int x2 = M > 64;
         for (int i = 0; i < 5; ++i)
-            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) return {configs[x2][i], false};
-        return {configs[x2][3], false};
+            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms)
+                return {configs[x2][i], false, false};
+        return {configs[x2][3], false, false};
     }
-    const double steps = (double)((K + 63) / 64 * 4);
-    gemm_plan best = {CONFIG_LARGE, false};
+    gemm_plan best = {CONFIG_LARGE, false, false};
     double best_ns = INFINITY;
     for (int c = 0; c <= CONFIG_TALL; ++c) {
-        const int64_t tiles = ((M + config_bm[c] - 1) / config_bm[c]) * ((N + config_bn[c] - 1) / config_bn[c]);
+        const int bm = 64 * config_consumers[c];
+        const int64_t tiles = ((M + bm - 1) / bm) * ((N + config_bn[c] - 1) / config_bn[c]);
         const double waves_ns = (double)((tiles + num_sms - 1) / num_sms) * steps * config_step_ns[c];
         const double stream_k_ns =
             ((double)tiles / num_sms + STREAM_K_EXTRA_WAVES) * steps * config_step_ns[c] + STREAM_K_FIXED_NS;
-        const bool stream_k = may_stream_k && tiles > num_sms && stream_k_ns < waves_ns;
-        const double ns = stream_k ? stream_k_ns : waves_ns;
+        const int64_t rest = tiles % num_sms;  /* tiles past the whole rounds */
+        const double split_ns = (double)(tiles / num_sms) * steps * config_step_ns[c] +
+                                (double)((rest * chains + num_sms - 1) / num_sms) * ceil(steps / chains) *
+                                    config_step_ns[c] + CHAIN_SPLIT_FIXED_NS;
+        const bool stream_k = has_workspace && chains == 1 && tiles > num_sms && stream_k_ns < waves_ns;
+        const bool chain_split = has_workspace && chains > 1 && rest > 0 && split_ns < waves_ns;
+        const double ns = stream_k ? stream_k_ns : chain_split ? split_ns : waves_ns;
         if (ns < best_ns) {
             best_ns = ns;
-            best = {c, stream_k};
+            best = {c, stream_k, chain_split};
         }
     }
     return best;
 }
 
-template <bool A_MN, bool B_MN, bool BF16, typename OutT>
-static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_params &p, int device, int num_sms,
-                         cudaStream_t stream) {
+/* Tiles: store_tiles<OutT, gemm_value, CHAINS>; the K-chained kernels exist for the general configs and
+ * the 64-wide narrow ones only, the configs choose_plan picks for a chained shape. */
+template <bool A_MN, bool B_MN, bool BF16, class Tiles>
+static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_params &p,
+                         const typename Tiles::Params &ep, int device, int num_sms, cudaStream_t stream) {
     if (config == CONFIG_LARGE)
-        return launch_gemm_sm90<256, 2, 4, 2, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+        return launch_gemm_sm90<256, 2, 4, 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     if (config == CONFIG_MEDIUM)
-        return launch_gemm_sm90<128, 2, 6, 2, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+        return launch_gemm_sm90<128, 2, 6, 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     if (config == CONFIG_TALL)  /* B multicast needs K-major B: half of a 64-wide MN-major box is no box */
-        return launch_gemm_sm90<64, 2, 8, B_MN ? 1 : 2, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms,
+        return launch_gemm_sm90<64, 2, 8, B_MN ? 1 : 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms,
                                                                                         stream);
     if (config == CONFIG_NARROW64_X2)
-        return launch_gemm_sm90<64, 2, 8, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
-    if constexpr (!B_MN) {
+        return launch_gemm_sm90<64, 2, 8, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+    if constexpr (!B_MN && !Tiles::K_CHAINS) {
         if (config == CONFIG_NARROW96_X2)
-            return launch_gemm_sm90<96, 2, 8, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<96, 2, 8, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW48_X2)
-            return launch_gemm_sm90<48, 2, 10, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<48, 2, 10, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW32_X2)
-            return launch_gemm_sm90<32, 2, 11, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<32, 2, 11, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW16_X2)
-            return launch_gemm_sm90<16, 2, 12, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<16, 2, 12, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW96)
-            return launch_gemm_sm90<96, 1, 10, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<96, 1, 10, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW48)
-            return launch_gemm_sm90<48, 1, 14, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<48, 1, 14, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW32)
-            return launch_gemm_sm90<32, 1, 16, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<32, 1, 16, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW16)
-            return launch_gemm_sm90<16, 1, 20, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+            return launch_gemm_sm90<16, 1, 20, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     }
-    return launch_gemm_sm90<64, 1, 12, 1, A_MN, B_MN, BF16, GemmTiles<OutT>>(args, p, {}, device, num_sms, stream);
+    return launch_gemm_sm90<64, 1, 12, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
 }
 
-template <bool BF16, typename OutT>
-static int launch_layout(int config, const rlk_gemm_args *args, const gemm_sm90_params &p, int device, int num_sms,
-                         cudaStream_t stream) {
+template <bool BF16, class Tiles>
+static int launch_layout(int config, const rlk_gemm_args *args, const gemm_sm90_params &p,
+                         const typename Tiles::Params &ep, int device, int num_sms, cudaStream_t stream) {
     const bool b_mn = !args->b_trans;
     if (args->a_trans)
-        return b_mn ? launch_config<true, true, BF16, OutT>(config, args, p, device, num_sms, stream)
-                    : launch_config<true, false, BF16, OutT>(config, args, p, device, num_sms, stream);
-    return b_mn ? launch_config<false, true, BF16, OutT>(config, args, p, device, num_sms, stream)
-                : launch_config<false, false, BF16, OutT>(config, args, p, device, num_sms, stream);
+        return b_mn ? launch_config<true, true, BF16, Tiles>(config, args, p, ep, device, num_sms, stream)
+                    : launch_config<true, false, BF16, Tiles>(config, args, p, ep, device, num_sms, stream);
+    return b_mn ? launch_config<false, true, BF16, Tiles>(config, args, p, ep, device, num_sms, stream)
+                : launch_config<false, false, BF16, Tiles>(config, args, p, ep, device, num_sms, stream);
+}
+
+/* kc: the K-chain parameters (chain_tiles, split) with CHAINS, unused without */
+template <bool CHAINS>
+static int launch_dtypes(int config, const rlk_gemm_args *args, const gemm_sm90_params &p, const k_chain_params &kc,
+                         int device, int num_sms, cudaStream_t s) {
+    using Bf16Out = store_tiles<__nv_bfloat16, gemm_value, CHAINS>;
+    using HalfOut = store_tiles<__half, gemm_value, CHAINS>;
+    using F32Out = store_tiles<float, gemm_value, CHAINS>;
+    typename F32Out::Params ep{};  /* the same type for every OutT */
+    if constexpr (CHAINS) ep = kc;
+    if (args->in_dtype == RLK_BF16)
+        return args->out_dtype == RLK_F32 ? launch_layout<true, F32Out>(config, args, p, ep, device, num_sms, s)
+                                          : launch_layout<true, Bf16Out>(config, args, p, ep, device, num_sms, s);
+    return args->out_dtype == RLK_F32 ? launch_layout<false, F32Out>(config, args, p, ep, device, num_sms, s)
+                                      : launch_layout<false, HalfOut>(config, args, p, ep, device, num_sms, s);
 }
 
 extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
@@ -153,24 +207,34 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     if (err != cudaSuccess) return (int)err;
 
     gemm_plan plan = choose_plan(args->M, args->N, args->K, !args->b_trans, true, num_sms);
+    gemm_sm90_params p = gemm_params(args);
+    k_chain_params kc = {};
+    kc.chain_tiles = chain_tiles(args->K);
+    const bool chained = kc.chain_tiles < p.k_tiles;
     if (ctx->plan_only) {
-        if (plan.stream_k)
-            ctx->workspace_bytes = stream_k_workspace_bytes(config_bn[plan.config], config_consumers[plan.config], num_sms);
+        const int bn = config_bn[plan.config], consumers = config_consumers[plan.config];
+        if (chained) {
+            const int cluster = config_cluster(plan.config, !args->b_trans);
+            p.m_tiles = (int)((args->M + 64 * consumers - 1) / (64 * consumers));
+            p.col_tiles = p.n_units = (int)((args->N + bn - 1) / bn);
+            plan_work_items(&p, cluster, true);
+            ctx->workspace_bytes =
+                chain_workspace_bytes(bn, consumers, cluster, p.work_items, K_CHAIN_COUNT, plan.chain_split, num_sms);
+        } else if (plan.stream_k) {
+            ctx->workspace_bytes = stream_k_workspace_bytes(bn, consumers, num_sms);
+        }
         return RLK_OK;
     }
     /* stream-K is a choice of schedule only: a call given no scratch memory runs the best plan without
-     * it, with the same bits */
-    if (plan.stream_k && !args->workspace)
+     * it, with the same bits. K chains need theirs (a whole tile's running sum goes through it). */
+    if (!args->workspace) {
+        if (chained) return (int)cudaErrorInvalidValue;
         plan = choose_plan(args->M, args->N, args->K, !args->b_trans, false, num_sms);
-    gemm_sm90_params p = gemm_params(args);
+    }
     p.stream_k = plan.stream_k;
     p.partials = (float *)args->workspace;
-    const int config = plan.config;
-
+    kc.split = plan.chain_split;
     const cudaStream_t s = (cudaStream_t)ctx->stream;
-    if (args->in_dtype == RLK_BF16)
-        return args->out_dtype == RLK_F32 ? launch_layout<true, float>(config, args, p, device, num_sms, s)
-                                          : launch_layout<true, __nv_bfloat16>(config, args, p, device, num_sms, s);
-    return args->out_dtype == RLK_F32 ? launch_layout<false, float>(config, args, p, device, num_sms, s)
-                                      : launch_layout<false, __half>(config, args, p, device, num_sms, s);
+    return chained ? launch_dtypes<true>(plan.config, args, p, kc, device, num_sms, s)
+                   : launch_dtypes<false>(plan.config, args, p, kc, device, num_sms, s);
 }

@@ -28,15 +28,28 @@
  * g - 1 of a persistent grid of co-resident clusters. This is the cuBLAS answer to wave quantization
  * without its split-K sums: no element is summed in a different order.
  *
+ * K chains (the GEMM's kernels instantiated with store_tiles' CHAINS, which sm90/gemm.cu runs from
+ * K = 65536 on: a choice by K alone): the
+ * k-slices are cut into chains of chain_tiles at fixed multiples, each chain a wgmma chain from zero,
+ * and an element is d = ((c0 + c1) + c2) + ... with round-to-nearest fp32 adds in chain order. Where
+ * the chains run is a schedule choice: a whole item runs its chains in turn, the running sum going
+ * through this consumer's slot of p.partials (an exact fp32 copy); the items from kc.split_first on
+ * (the last, partly empty round) run as one piece per chain on different clusters, chain-major in
+ * work order; each piece stores its chain to its own slot, counts itself in, and the piece
+ * that counts last loads the tile's chains and adds them in chain order. Either way the same chains
+ * and the same adds, so the split may depend on M (it fills the last wave: at M = 209 the head's
+ * dX, K = 151936, is 32 tiles). The counter only picks which CTA adds; it orders nothing.
+ *
  * Batch invariance. Every output element is produced by the same instruction sequence whatever the
  * tile config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
  * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
- * filled by TMA, adding exact zeros), then the epilogue's explicitly rounded fp32 operations. The wgmma
- * N width (256 to 16), the row offset inside the tile, the cluster, the store path and a stream-K
- * hand-over (an exact fp32 copy of the accumulator registers, which the next wgmma adds into as it
- * would have in place) do not change an element's arithmetic.
- * No split-K sums, no atomics. The per-op proofs are the GPU tests named in sm90/gemm.cu and
- * sm90/linear_logp.cu.
+ * filled by TMA, adding exact zeros; with K chains, the steps of each chain from 0 and the chains'
+ * sum as above), then the epilogue's explicitly rounded fp32 operations. The wgmma N width (256 to
+ * 16), the row offset inside the tile, the cluster, the store path and a stream-K hand-over (an exact
+ * fp32 copy of the accumulator registers, which the next wgmma adds into as it would have in place)
+ * do not change an element's arithmetic.
+ * No split-K sums by M, no order-dependent atomics. The per-op proofs are the GPU tests named in
+ * sm90/gemm.cu and sm90/linear_logp.cu.
  *
  * Build: part of csrc/cuda/sm90/gemm.cu and linear_logp.cu (see there).
  */
@@ -76,9 +89,23 @@ typedef struct gemm_sm90_params {
     int c_pairs_aligned, out_pairs_aligned;  /* 2-element vector access allowed for C / out */
     int tma_store;                            /* store through shared memory + TMA (map_out is valid) */
     int stream_k;                             /* split the k-slices evenly across clusters (see above) */
-    float *partials;                          /* stream_k: a 64 x BN fp32 slot per consumer of each CTA */
+    float *partials;                          /* a 64 x BN fp32 slot per consumer of each CTA: stream-K's
+                                                 hand-over, or a whole chained item's running sum */
     int *partial_ready;                       /* stream_k: a flag per slot, zeroed before the launch */
 } gemm_sm90_params;
+/* 128 bytes: one more field (K chains' first try) changed the code ptxas made for every GEMM kernel
+ * and cost 3-5% at M = 209-2661 on the H100; the K-chain fields are their kernels' Epilogue::Params. */
+static_assert(sizeof(gemm_sm90_params) == 128, "see above");
+
+/* The K-chain kernels' parameters (store_tiles<.., CHAINS = true>::Params; see "K chains" above). */
+typedef struct k_chain_params {
+    int chain_tiles;                          /* k-slices per K chain */
+    int chains;                               /* ceil(k_tiles / chain_tiles) */
+    int split;                                /* run the last, partly empty round's items by chains */
+    int split_first;                          /* items from here on run as one piece per chain */
+    float *partials;                          /* split items: a 64 x BN slot per (CTA tile, consumer, chain) */
+    int *arrivals;                            /* split items: a counter per consumer tile, zeroed before */
+} k_chain_params;
 
 /* ------------------------------------ storing epilogues ------------------------------------- */
 
@@ -90,7 +117,7 @@ typedef struct gemm_sm90_params {
  * choices) for every element and config. */
 struct gemm_value {
     struct Params {};
-    static constexpr bool PAIR_TAIL = true;
+    static constexpr bool PAIR_TAIL = true, STREAM_K = true;
     float alpha, beta;
     static __device__ __forceinline__ gemm_value make(int, const gemm_sm90_params &p, const Params &) {
         return gemm_value{p.alpha, p.beta};
@@ -239,21 +266,26 @@ struct tile_store {
  *   STORES_TILES    the tiles are stored to `out` of type OutT (gives the kernel TMA-store buffers)
  *   PAIR_TAIL       clusters of 2 take an unpartnered last row tile in pairs of units (plan_work_items;
  *                   units must be single tiles)
+ *   STREAM_K        stream-K may share a tile's k-slices between CTAs (units of one tile)
+ *   K_CHAINS        the k-slices run as K chains (Params is k_chain_params; units of one tile)
  *   Params          its own kernel parameters
  *   begin(row0, p, ep) -> unit state, before the unit's first k loop
  *   tile<BN, BF16, TMA_STORE>(d, unit, row0, col0, p, ep, store), after each tile's k loop
  *   end(unit, row0, n_unit, p, ep), after the unit's last tile. */
 
-/* Tiles of value(acc, C) stored to out (OutT): the GEMM (Value = gemm_value) and the linear_logp
- * backward's fused dz (Value = dlogits_value, sm90/linear_logp.cu). */
-template <typename OutType, class Value>
+/* Tiles of value(acc, C) stored to out (OutT): the GEMM (Value = gemm_value; CHAINS: its kernels for
+ * K chains) and the linear_logp backward's fused dz (Value = dlogits_value, sm90/linear_logp.cu). */
+template <typename OutType, class Value, bool CHAINS = false>
 struct store_tiles {
     using OutT = OutType;
-    using Params = typename Value::Params;
+    static_assert(!CHAINS || std::is_empty<typename Value::Params>::value, "the chained kernels' Params are their own");
+    using Params = std::conditional_t<CHAINS, k_chain_params, typename Value::Params>;
     static constexpr int TILES_PER_UNIT = 1, CHAIN = 0;
     static constexpr bool STORES_TILES = true, PAIR_TAIL = Value::PAIR_TAIL;
+    static constexpr bool STREAM_K = Value::STREAM_K && !CHAINS, K_CHAINS = CHAINS;
     static __device__ __forceinline__ Value begin(int row0, const gemm_sm90_params &p, const Params &ep) {
-        return Value::make(row0, p, ep);
+        if constexpr (CHAINS) return Value::make(row0, p, typename Value::Params{});
+        else return Value::make(row0, p, ep);
     }
     template <int BN, bool BF16, bool TMA_STORE>
     static __device__ __forceinline__ void tile(float (&d)[BN / 2], const Value &value, int row0, int col0,
@@ -379,6 +411,20 @@ __device__ __forceinline__ work_plan plan_work(bool stream_k, int num_work, int 
     return w;
 }
 
+/* K chains: a strided work index of a chained kernel -> a whole item (k-slices [0, k_tiles)) before
+ * kc.split_first, or one chain of a later item, chain-major (chain j of every split item, then chain
+ * j + 1: a round's clusters read the same k-range of the A rows or B columns they share). */
+__device__ __forceinline__ void chain_piece(int index, const gemm_sm90_params &p, const k_chain_params &kc,
+                                            int *work, int *k_begin, int *k_end) {
+    *work = index, *k_begin = 0, *k_end = p.k_tiles;
+    if (index < kc.split_first) return;
+    const int split_items = p.work_items - kc.split_first;
+    const int chain = (index - kc.split_first) / split_items;
+    *work = index - chain * split_items;
+    *k_begin = chain * kc.chain_tiles;
+    *k_end = min(p.k_tiles, *k_begin + kc.chain_tiles);
+}
+
 /* Stream-K hand-over of one consumer warpgroup's 64 x BN accumulators through a slot of 64 x BN floats:
  * thread t's d[4i .. 4i+3] go to float4 i * 128 + t (each warp access 512 contiguous bytes), through L2. */
 template <int BN>
@@ -403,6 +449,67 @@ __device__ __forceinline__ void load_partial(float (&d)[BN / 2], const float *sl
         const float4 v = __ldcg(src + 128 * i);
         d[4 * i] = v.x, d[4 * i + 1] = v.y, d[4 * i + 2] = v.z, d[4 * i + 3] = v.w;
     }
+}
+
+/* K chains (see the top of this file). A whole item's running sum: d = slot + d after every chain but
+ * the first, stored back after every chain but the last. Each thread reads only what it wrote. */
+template <int BN>
+__device__ __forceinline__ void fold_chain(float (&d)[BN / 2], float *slot, bool first, bool last) {
+    float4 *sum = (float4 *)slot + threadIdx.x % 128;
+    if (!first) {
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            const float4 v = __ldcg(sum + 128 * i);
+            d[4 * i] = __fadd_rn(v.x, d[4 * i]), d[4 * i + 1] = __fadd_rn(v.y, d[4 * i + 1]);
+            d[4 * i + 2] = __fadd_rn(v.z, d[4 * i + 2]), d[4 * i + 3] = __fadd_rn(v.w, d[4 * i + 3]);
+        }
+    }
+    if (!last) {
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) __stcg(sum + 128 * i, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+    }
+}
+
+/* A split item's piece: stores chain `chain` of this consumer's 64 x BN block to its slot of
+ * kc.partials and counts itself in; returns false unless it counted last, in which case
+ * d = ((c0 + c1) + c2) + ... loaded from the slots (its own chain too: the order is fixed, whoever
+ * adds). The whole warpgroup decides together: the epilogue after it meets at named barriers. */
+template <int BN, int CLUSTER, int CONSUMERS>
+__device__ __forceinline__ bool gather_chains(float (&d)[BN / 2], const k_chain_params &kc, int work, int cta_rank,
+                                              int chain, int c) {
+    const int t = threadIdx.x % 128;
+    const int64_t block = ((int64_t)(work - kc.split_first) * CLUSTER + cta_rank) * CONSUMERS + c;
+    float4 *slots = (float4 *)(kc.partials + block * kc.chains * 64 * BN) + t;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+        __stcg(slots + (chain * (BN / 8) + i) * 128, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+    warpgroup_sync(1u + c);
+    const bool counted_last = t == 0 && count_arrival(kc.arrivals + block) == kc.chains - 1;
+    if (!warpgroup_any(1u + c, counted_last)) return false;
+    /* in blocks of 8 float4 per thread, so that the loads in flight fit beside d */
+    static_assert(BN % 64 == 0, "the chained configs are 64, 128 or 256 wide");
+#pragma unroll
+    for (int i0 = 0; i0 < BN / 8; i0 += 8) {
+        float4 sum[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum[i] = __ldcg(slots + (i0 + i) * 128);
+        for (int j = 1; j < kc.chains; ++j) {
+            float4 v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = __ldcg(slots + (j * (BN / 8) + i0 + i) * 128);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                sum[i].x = __fadd_rn(sum[i].x, v[i].x), sum[i].y = __fadd_rn(sum[i].y, v[i].y);
+                sum[i].z = __fadd_rn(sum[i].z, v[i].z), sum[i].w = __fadd_rn(sum[i].w, v[i].w);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int e = 4 * (i0 + i);
+            d[e] = sum[i].x, d[e + 1] = sum[i].y, d[e + 2] = sum[i].z, d[e + 3] = sum[i].w;
+        }
+    }
+    return true;
 }
 
 /* two epilogue buffers per consumer for the 2-consumer kernels that store their tiles (store_tile_tma,
@@ -529,8 +636,11 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     else cluster_sync();
 
     const int warpgroup = threadIdx.x / 128;
-    constexpr bool STREAM_K = TILES_PER_UNIT == 1 && Epilogue::CHAIN == 0 && Epilogue::STORES_TILES;
-    const work_plan plan = plan_work(STREAM_K && p.stream_k, p.work_items, p.k_tiles, blockIdx.x / CLUSTER,
+    constexpr bool STREAM_K = Epilogue::STREAM_K, K_CHAINS = Epilogue::K_CHAINS;
+    /* a chained kernel strides over its pieces (chain_piece), the others over their items */
+    int num_work = p.work_items;
+    if constexpr (K_CHAINS) num_work = ep.split_first + (p.work_items - ep.split_first) * ep.chains;
+    const work_plan plan = plan_work(STREAM_K && p.stream_k, num_work, p.k_tiles, blockIdx.x / CLUSTER,
                                      gridDim.x / CLUSTER);
 
     if (warpgroup == 0) {
@@ -541,6 +651,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
             for (int i = 0; i < plan.pieces(); ++i) {
                 int work, k_begin, k_end, m_blk, n_unit;
                 plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
+                if constexpr (K_CHAINS) chain_piece(work, p, ep, &work, &k_begin, &k_end);
                 const bool b_shared = work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
                 /* the k loop, instantiated for a B tile shared by the cluster or not: a branch on b_shared
                  * inside it moved the loop's state off the uniform datapath */
@@ -616,23 +727,42 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
         for (int i = 0; i < plan.pieces(); ++i) {
             int work, k_begin, k_end, m_blk, n_unit;
             plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
+            if constexpr (K_CHAINS) chain_piece(work, p, ep, &work, &k_begin, &k_end);
             work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
             const int row0 = m_blk * BM + 64 * c;
             const tile_store store{&map_out, epi_smem + c * 2 * EPI_BOX_BYTES, 1u + c};
             auto unit = Epilogue::begin(row0, p, ep);  /* per-row data, loaded before the k loop */
             if constexpr (TILES_PER_UNIT == 1) {
-                /* stream-K slots: this CTA's tail piece continues from slot (cta, c), written by the same
-                 * rank of the previous cluster; its head piece goes to the next cluster's slot */
                 const int slot = (int)blockIdx.x * CONSUMERS + c;
-                if (STREAM_K && k_begin > 0)
-                    load_partial<BN>(d, p.partials + (int64_t)slot * 64 * BN, p.partial_ready + slot, 1u + c);
-                /* no loop state: with it the 256-wide dz kernel spilled */
-                mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
-                    d, k_begin, k_end, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
-                if (STREAM_K && k_end < p.k_tiles) {
-                    const int next = slot + CLUSTER * CONSUMERS;
-                    store_partial<BN>(d, p.partials + (int64_t)next * 64 * BN, p.partial_ready + next, 1u + c);
-                    continue;
+                if constexpr (K_CHAINS) {
+                    /* a whole item: its chains in turn, summed through the slot; else one chain */
+                    const bool whole = k_begin == 0 && k_end == p.k_tiles;
+                    for (int kb = k_begin; kb < k_end;) {
+                        const int ke = min(k_end, kb + ep.chain_tiles);
+                        if (kb > 0) {  /* a fresh chain, as mma_tile starts one at k = 0 */
+#pragma unroll
+                            for (int e = 0; e < BN / 2; ++e) d[e] = 0.f;
+                        }
+                        mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
+                            d, kb, ke, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
+                        if (whole) fold_chain<BN>(d, p.partials + (int64_t)slot * 64 * BN, kb == 0, ke == k_end);
+                        kb = ke;
+                    }
+                    if (!whole && !gather_chains<BN, CLUSTER, CONSUMERS>(d, ep, work, cta_rank, k_begin / ep.chain_tiles, c))
+                        continue;
+                } else {
+                    /* stream-K slots: this CTA's tail piece continues from slot (cta, c), written by the
+                     * same rank of the previous cluster; its head piece goes to the next cluster's slot */
+                    if (STREAM_K && k_begin > 0)
+                        load_partial<BN>(d, p.partials + (int64_t)slot * 64 * BN, p.partial_ready + slot, 1u + c);
+                    /* no loop state: with it the 256-wide dz kernel spilled */
+                    mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
+                        d, k_begin, k_end, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
+                    if (STREAM_K && k_end < p.k_tiles) {
+                        const int next = slot + CLUSTER * CONSUMERS;
+                        store_partial<BN>(d, p.partials + (int64_t)next * 64 * BN, p.partial_ready + next, 1u + c);
+                        continue;
+                    }
                 }
                 Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_unit * BN, p, ep, store);
             } else {
@@ -763,7 +893,25 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     static_assert(!Epilogue::PAIR_TAIL || Epilogue::TILES_PER_UNIT == 1, "a phantom unit must run its partner's k loop");
     plan_work_items(&p, CLUSTER, Epilogue::PAIR_TAIL);
     const int work = p.work_items;
-    const int clusters = work < max_clusters[device] ? work : max_clusters[device];
+    /* K chains: with kc.split, the items past the last whole round run as one piece per chain */
+    typename Epilogue::Params kernel_ep = ep;
+    int pieces = work;
+    if constexpr (Epilogue::K_CHAINS) {
+        k_chain_params &kc = kernel_ep;
+        kc.chains = (p.k_tiles + kc.chain_tiles - 1) / kc.chain_tiles;
+        kc.split_first = kc.split ? work / max_clusters[device] * max_clusters[device] : work;
+        pieces = kc.split_first + (work - kc.split_first) * kc.chains;
+        /* chain_workspace_bytes' layout; a chained GEMM runs only with it (its running sums) */
+        if (p.partials == nullptr) return (int)cudaErrorInvalidValue;
+        const int64_t blocks = (int64_t)(work - kc.split_first) * CLUSTER * CONSUMERS;
+        kc.partials = p.partials + (int64_t)num_sms * CONSUMERS * 64 * BN;
+        kc.arrivals = (int *)(kc.partials + blocks * kc.chains * 64 * BN);
+        if (blocks > 0) {
+            const cudaError_t err = cudaMemsetAsync(kc.arrivals, 0, sizeof(int) * blocks, stream);
+            if (err != cudaSuccess) return (int)err;
+        }
+    }
+    const int clusters = pieces < max_clusters[device] ? pieces : max_clusters[device];
     config.gridDim = dim3(clusters * CLUSTER);
     /* stream-K (p.partials: stream_k_workspace_bytes of scratch) pays only where whole items would leave
      * the last wave partly empty, and needs no item to span three clusters */
@@ -773,7 +921,7 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
         const cudaError_t err = cudaMemsetAsync(p.partial_ready, 0, sizeof(int) * clusters * CLUSTER * CONSUMERS, stream);
         if (err != cudaSuccess) return (int)err;
     }
-    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_a_tail, map_b, map_out, p, ep);
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_a_tail, map_b, map_out, p, kernel_ep);
     return err == cudaSuccess ? RLK_OK : (int)err;
 }
 
@@ -782,6 +930,17 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
  * and a flag per consumer warpgroup of each of up to num_sms CTAs. */
 static inline int64_t stream_k_workspace_bytes(int bn, int consumers, int num_sms) {
     return (int64_t)num_sms * consumers * (64 * bn + 1) * 4;
+}
+
+/* Scratch memory for a chained GEMM of `work` items on clusters of `cluster`: the running sums (a
+ * 64 x bn slot per consumer of each of up to num_sms CTAs), then with `split` a slot per chain and a
+ * counter for each consumer of the split items' CTA tiles; those are the items past the last whole
+ * round, fewer than a round (at most num_sms / cluster). */
+static inline int64_t chain_workspace_bytes(int bn, int consumers, int cluster, int work, int chains, bool split,
+                                            int num_sms) {
+    const int64_t split_items = split ? (work < num_sms / cluster ? work : num_sms / cluster) : 0;
+    const int64_t blocks = split_items * cluster * consumers;
+    return ((int64_t)num_sms * consumers * 64 * bn + blocks * (chains * 64 * bn + 1)) * 4;
 }
 
 /* A 16-bit operand TMA can describe: 16-byte aligned base, row stride a multiple of 16 bytes below 2^40.

@@ -50,8 +50,10 @@ typedef struct logp_sm90_params {
  * the thread's two rows; ignored rows (and rows past N) get 0. */
 struct dlogits_value {
     using Params = logp_sm90_params;
-    /* no tail pairing: its work_coords branch made this 256-wide consumer spill (20-176 bytes) */
-    static constexpr bool PAIR_TAIL = false;
+    /* no tail pairing: its work_coords branch made this 256-wide consumer spill (20-176 bytes). The
+     * stream-K path is compiled as the GEMM's but never taken (p.stream_k stays 0): without it ptxas
+     * spilled 20 bytes in the fp16 kernel. */
+    static constexpr bool PAIR_TAIL = false, STREAM_K = true;
     float inv_temperature;
     float lse[2], entropy[2], grad_logp[2], grad_entropy[2];
     int target_col[2];  /* the target's column in this chunk, or -1 */
@@ -171,7 +173,7 @@ struct logp_fold {
     using OutT = float; /* nothing is stored through the out map */
     using Params = logp_sm90_params;
     static constexpr int TILES_PER_UNIT = LOGP_SPLIT_COLS / BN, CHAIN = LOGP_CHAIN;
-    static constexpr bool STORES_TILES = false, PAIR_TAIL = false;
+    static constexpr bool STORES_TILES = false, PAIR_TAIL = false, STREAM_K = false, K_CHAINS = false;
     static_assert(LOGP_SPLIT_COLS % BN == 0, "a split is whole tiles");
     static __device__ __forceinline__ logp_row_states begin(int row0, const gemm_sm90_params &p,
                                                             const logp_sm90_params &lp) {

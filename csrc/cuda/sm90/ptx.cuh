@@ -126,6 +126,17 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 /* Barrier among the 128 threads of one warpgroup (ids 1, 2: one per consumer; 0 is __syncthreads). */
 __device__ __forceinline__ void warpgroup_sync(uint32_t id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
+/* Barrier among the 128 threads of one warpgroup that also returns whether any of them passed true. */
+__device__ __forceinline__ bool warpgroup_any(uint32_t id, bool value) {
+    uint32_t any;
+    asm volatile(
+        "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.or.pred q, %2, 128, p;\n\tselp.u32 %0, 1, 0, q;\n\t}"
+        : "=r"(any)
+        : "r"((uint32_t)value), "r"(id)
+        : "memory");
+    return any != 0;
+}
+
 /* A flag in global memory handing data from one CTA to another: the writer's threads store the data,
  * meet at a barrier, and one of them publishes with flag_release (the fence orders the whole group's
  * stores, seen through the barrier, before the flag); the reader's one thread spins in flag_acquire,
@@ -138,6 +149,18 @@ __device__ __forceinline__ void flag_acquire(const int *flag) {
     do {
         asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
     } while (ready == 0);
+}
+
+/* A counter of arrivals, as flag_release / flag_acquire in one: the group's stores, seen through a
+ * barrier, are ordered before the count by the first fence, and the second orders the counting thread's
+ * later loads (and its group's, after a barrier) after every earlier arrival. Returns the count before. */
+__device__ __forceinline__ int count_arrival(int *counter) {
+    int before;
+    asm volatile("fence.acq_rel.gpu;\n\tatom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n\tfence.acq_rel.gpu;"
+                 : "=r"(before)
+                 : "l"(counter)
+                 : "memory");
+    return before;
 }
 
 __device__ __forceinline__ void st_shared_pair(uint32_t addr, float2 v, float *) {
