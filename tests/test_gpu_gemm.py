@@ -83,10 +83,12 @@ def test_k_chains_rows_bitwise_invariant_and_accurate(backend):
     w_k_major = w.t().contiguous().t()  # the same B, K-major: other tile configs
     for m in (1, 209, 2661):
         assert torch.equal(rl_kernels.det_gemm(g[:m], w_k_major, backend=backend), full[:m]), f"K-major M={m}"
+    # fp32 out vs fp64, H100: sm90's 4 chains 4.4e-5, one chain of 151936 (sm80, sm90 before) 1.8e-4
+    bound = 1e-4 if backend == "sm90" else 3e-4
     rows = g[:16].double() @ w.double()
-    assert rel_err(rl_kernels.det_gemm(g[:16], w, out_dtype=torch.float32, backend=backend), rows) <= 3e-4
+    assert rel_err(rl_kernels.det_gemm(g[:16], w, out_dtype=torch.float32, backend=backend), rows) <= bound
     assert rel_err(rl_kernels.det_gemm(g[4080:], w, out_dtype=torch.float32, backend=backend),
-                   g[4080:].double() @ w.double()) <= 3e-4
+                   g[4080:].double() @ w.double()) <= bound
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

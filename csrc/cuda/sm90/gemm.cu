@@ -17,7 +17,8 @@
  * wave, the weights streaming through as many SMs as possible; larger M whichever
  * of the first four a measured ns-per-step estimate finds fastest, in waves of whole tiles or stream-K
  * (gemm_kernel.cuh: every SM an equal share of the k-slices, a tile split between two CTAs continuing
- * one accumulator chain through L2; the workspace is planned, ctx->workspace_bytes).
+ * one accumulator chain through L2; the workspace is planned, ctx->workspace_bytes). From K = 65536 on
+ * the kernels' K-chain variants run instead (4 chains summed in order; gemm_kernel.cuh, "K chains").
  *
  * Invariance proof on the GPU: tests/test_gpu_gemm.py (every M of the sweep 1..4096 against M = 4096 on
  * the Qwen3-8B shapes, which exercises every config; rows shifted across tiles; outputs and operands at
@@ -59,8 +60,8 @@ static const int config_step_ns[CONFIG_TALL + 1] = {197, 126, 74, 106};
  * LM head's dX (K = 151936) has 32 tiles at M = 209, and its chains spread a tile over 4 CTAs; at any
  * M they fill the last wave with quarters of tiles instead of whole ones. Shorter chains also lose
  * less to the tensor cores' truncating accumulator adds (perf-notes: linear_logp's chains). Why 4: each
- * chain boundary of a whole tile costs time (8 chains made the head's dX 5% slower at M = 16384, 16
- * chains 30%; 4 chains none), and 4 quarters still fill the wave at M = 209 (docs/perf-notes.md). */
+ * chain boundary of a whole tile costs time (8 chains made the head's dX 4-16% slower at M = 16384, 16
+ * chains 35%; 4 chains none measurable), and 4 quarters still fill the wave at M = 209 (perf-notes). */
 #define CHAIN_MIN_K 65536
 #define K_CHAIN_COUNT 4
 /* the split pieces' cost beyond their share: the arrival counters' memset and the last piece of each
@@ -84,7 +85,8 @@ typedef struct gemm_plan {
  * need K-major B: an MN-major B box is 64 columns wide); with more columns than 96 x SMs, 64 (several
  * waves). Otherwise the fewest estimated ns among the first four, each either in waves of whole tiles
  * (the last wave partly empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal
- * share of the k-slices per SM, plus its overhead). */
+ * share of the k-slices per SM, plus its overhead). A chained shape (K chains, below) takes the 64-wide
+ * configs up to 128 rows, and in place of stream-K may run its last, partly empty round by chains. */
 static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool has_workspace, int num_sms) {
     const int chains = K >= CHAIN_MIN_K ? K_CHAIN_COUNT : 1;
     const double steps = (double)((K + 63) / 64 * 4);

@@ -29,9 +29,9 @@
  * without its split-K sums: no element is summed in a different order.
  *
  * K chains (the GEMM's kernels instantiated with store_tiles' CHAINS, which sm90/gemm.cu runs from
- * K = 65536 on: a choice by K alone): the
- * k-slices are cut into chains of chain_tiles at fixed multiples, each chain a wgmma chain from zero,
- * and an element is d = ((c0 + c1) + c2) + ... with round-to-nearest fp32 adds in chain order. Where
+ * K = 65536 on: a choice by K alone): the k-slices are cut into chains of chain_tiles at fixed
+ * multiples, each chain a wgmma chain from zero, and an element is d = ((c0 + c1) + c2) + ... with
+ * round-to-nearest fp32 adds in chain order. Where
  * the chains run is a schedule choice: a whole item runs its chains in turn, the running sum going
  * through this consumer's slot of p.partials (an exact fp32 copy); the items from kc.split_first on
  * (the last, partly empty round) run as one piece per chain on different clusters, chain-major in
