@@ -68,10 +68,10 @@ static const int config_step_ns[CONFIG_TALL + 1] = {197, 126, 74, 106};
  * tile loading every chain's slot */
 #define CHAIN_SPLIT_FIXED_NS 5000.0
 
-static int chain_tiles(int64_t K) {
-    const int k_tiles = (int)((K + 63) / 64);
-    return K >= CHAIN_MIN_K ? (k_tiles + K_CHAIN_COUNT - 1) / K_CHAIN_COUNT : (k_tiles > 0 ? k_tiles : 1);
-}
+static int k_chains(int64_t K) { return K >= CHAIN_MIN_K ? K_CHAIN_COUNT : 1; }
+
+/* k-slices per chain (all of them for an unchained K) */
+static int chain_tiles(int64_t K) { return (int)(((K + 63) / 64 + k_chains(K) - 1) / k_chains(K)); }
 
 typedef struct gemm_plan {
     int config;
@@ -88,7 +88,7 @@ typedef struct gemm_plan {
  * share of the k-slices per SM, plus its overhead). A chained shape (K chains, below) takes the 64-wide
  * configs up to 128 rows, and in place of stream-K may run its last, partly empty round by chains. */
 static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool has_workspace, int num_sms) {
-    const int chains = K >= CHAIN_MIN_K ? K_CHAIN_COUNT : 1;
+    const int chains = k_chains(K);
     const double steps = (double)((K + 63) / 64 * 4);
     if (M <= 128 && chains > 1) {
         /* K chains: 64 columns, one or two consumers; a row of tiles that leaves SMs idle is split */
@@ -212,7 +212,7 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     gemm_sm90_params p = gemm_params(args);
     k_chain_params kc = {};
     kc.chain_tiles = chain_tiles(args->K);
-    const bool chained = kc.chain_tiles < p.k_tiles;
+    const bool chained = k_chains(args->K) > 1;
     if (ctx->plan_only) {
         const int bn = config_bn[plan.config], consumers = config_consumers[plan.config];
         if (chained) {
@@ -221,7 +221,7 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
             p.col_tiles = p.n_units = (int)((args->N + bn - 1) / bn);
             plan_work_items(&p, cluster, true);
             ctx->workspace_bytes =
-                chain_workspace_bytes(bn, consumers, cluster, p.work_items, K_CHAIN_COUNT, plan.chain_split, num_sms);
+                chain_workspace_bytes(bn, consumers, cluster, p.work_items, k_chains(args->K), plan.chain_split, num_sms);
         } else if (plan.stream_k) {
             ctx->workspace_bytes = stream_k_workspace_bytes(bn, consumers, num_sms);
         }

@@ -425,16 +425,22 @@ __device__ __forceinline__ void chain_piece(int index, const gemm_sm90_params &p
     *k_end = min(p.k_tiles, *k_begin + kc.chain_tiles);
 }
 
-/* Stream-K hand-over of one consumer warpgroup's 64 x BN accumulators through a slot of 64 x BN floats:
- * thread t's d[4i .. 4i+3] go to float4 i * 128 + t (each warp access 512 contiguous bytes), through L2. */
+/* One consumer warpgroup's 64 x BN accumulators to a slot of 64 x BN floats, through L2: thread t's
+ * d[4i .. 4i+3] go to float4 i * 128 + t (each warp access 512 contiguous bytes). The slots of
+ * stream-K's hand-over and of the K chains all have this layout. */
 template <int BN>
-__device__ __forceinline__ void store_partial(const float (&d)[BN / 2], float *slot, int *ready, uint32_t barrier_id) {
-    const int t = threadIdx.x % 128;
-    float4 *dst = (float4 *)slot + t;
+__device__ __forceinline__ void store_slot(const float (&d)[BN / 2], float *slot) {
+    float4 *dst = (float4 *)slot + threadIdx.x % 128;
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) __stcg(dst + 128 * i, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+}
+
+/* Stream-K hand-over of the accumulators through a slot (store_slot's layout) and its flag. */
+template <int BN>
+__device__ __forceinline__ void store_partial(const float (&d)[BN / 2], float *slot, int *ready, uint32_t barrier_id) {
+    store_slot<BN>(d, slot);
     warpgroup_sync(barrier_id);
-    if (t == 0) flag_release(ready);
+    if (threadIdx.x % 128 == 0) flag_release(ready);
 }
 
 template <int BN>
@@ -464,10 +470,7 @@ __device__ __forceinline__ void fold_chain(float (&d)[BN / 2], float *slot, bool
             d[4 * i + 2] = __fadd_rn(v.z, d[4 * i + 2]), d[4 * i + 3] = __fadd_rn(v.w, d[4 * i + 3]);
         }
     }
-    if (!last) {
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i) __stcg(sum + 128 * i, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
-    }
+    if (!last) store_slot<BN>(d, slot);
 }
 
 /* A split item's piece: stores chain `chain` of this consumer's 64 x BN block to its slot of
@@ -479,10 +482,9 @@ __device__ __forceinline__ bool gather_chains(float (&d)[BN / 2], const k_chain_
                                               int chain, int c) {
     const int t = threadIdx.x % 128;
     const int64_t block = ((int64_t)(work - kc.split_first) * CLUSTER + cta_rank) * CONSUMERS + c;
-    float4 *slots = (float4 *)(kc.partials + block * kc.chains * 64 * BN) + t;
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
-        __stcg(slots + (chain * (BN / 8) + i) * 128, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+    float *chain_slots = kc.partials + block * kc.chains * 64 * BN;
+    store_slot<BN>(d, chain_slots + (int64_t)chain * 64 * BN);
+    const float4 *slots = (const float4 *)chain_slots + t;
     warpgroup_sync(1u + c);
     const bool counted_last = t == 0 && count_arrival(kc.arrivals + block) == kc.chains - 1;
     if (!warpgroup_any(1u + c, counted_last)) return false;
@@ -630,7 +632,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
             /* lane 0 of every consumer warp of every CTA reading the stage's B tile */
             mbar_init(empty_bar + 8 * s, 4 * CONSUMERS * CLUSTER);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_mbarrier_init();
     }
     if constexpr (CLUSTER == 1) __syncthreads();
     else cluster_sync();
