@@ -49,6 +49,9 @@ def main():
         lengths = torch.tensor([530, 17], dtype=torch.int32, device="cuda")
         rl_kernels.attention_with_kvcache(randn(2, 1, 4, 64), cache_k, cache_v, lengths,
                                           k_new=randn(2, 1, 2, 64), v_new=randn(2, 1, 2, 64))
+        # a chunk of 5 queries x 2 heads: split tiles of 10 rows (sm90: two rows per thread; decode's
+        # 2 rows above: one)
+        rl_kernels.attention_with_kvcache(randn(2, 5, 4, 64), cache_k, cache_v, lengths)
         # 9 segments: more than the sm90 split kernel merges in its clusters, so the combine kernel runs
         rl_kernels.attention_with_kvcache(randn(1, 1, 4, 64), randn(1, 4200, 2, 64), randn(1, 4200, 2, 64), 4150)
     if kernel_registry.backend_status("rms_norm", "sm80")[0]:

@@ -120,11 +120,14 @@ __device__ __forceinline__ void set_empty(RowPair &st) {
 /* The contract's mask of one key block, before update_rows: a score whose key the row cannot see
  * becomes -inf. Both backends' fragments hold, of row h, the columns 8 j + 2 (lane % 4) + e of the
  * block (s(h, j, e) as in update_rows); key0: the absolute position of the block's first key;
- * row_len: the visible keys of the thread's two rows. */
-template <class Scores>
+ * row_len: the visible keys of the thread's two rows. THREAD_ROWS (here, in update_rows and
+ * rescale_rows): the thread's rows that are computed, 2, or 1 when only the tile's first 8 rows hold
+ * queries (sm90's split kernel at decode: row h = 1 is padding in every thread; its p is set to 0 and
+ * its state left as it is). */
+template <int THREAD_ROWS = 2, class Scores>
 __device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_len)[2], Scores s) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < THREAD_ROWS; ++h) {
         const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns 8 j + e below are keys < L */
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j)
@@ -142,11 +145,19 @@ __device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_l
  * (four chains, below) then over the quad, l = alpha l + sum. The accumulators are scaled by alpha
  * afterwards (rescale_rows), before P V adds onto them. s(h, j, e): row h's score at this thread's
  * column pair j, element e; the backends' fragment layouts differ, the arithmetic is this one. */
-template <class Scores>
+template <int THREAD_ROWS = 2, class Scores>
 __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, float (&alpha)[2]) {
+    static_assert(THREAD_ROWS == 1 || THREAD_ROWS == 2, "a thread holds two rows");
     float mx[2], ms_new[2], sum[2];
+    if (THREAD_ROWS == 1) {
+        /* the padding row: no rescale, p = 0 (written, not left as S: with those registers passed
+         * from one wgmma to the next untouched, ptxas serialized every wgmma of sm90's kernel, C7511) */
+        alpha[1] = 1.0f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+        for (int j = 0; j < BLOCK_N / 8; ++j) s(1, j, 0) = s(1, j, 1) = 0.0f;
+    }
+#pragma unroll
+    for (int h = 0; h < THREAD_ROWS; ++h) {
         float mt[BLOCK_N / 8];
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j) mt[j] = fmaxf(s(h, j, 0), s(h, j, 1));
@@ -159,9 +170,9 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
 #pragma unroll
     for (int x = 1; x <= 2; x *= 2)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
+        for (int h = 0; h < THREAD_ROWS; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < THREAD_ROWS; ++h) {
         /* selects, not branches (a short-circuit || here compiled to branches that reload c from the
          * constant bank): both scaled values and the exp2 run whether or not m moved */
         const bool empty = st.m[h] == -INFINITY;
@@ -180,7 +191,7 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < THREAD_ROWS; ++h)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float p = exp2_approx(__fmaf_rn(s(h, j, e), c, -ms_new[h]));
@@ -189,25 +200,25 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
                 link = j < 2 ? p : __fadd_rn(link, p);
             }
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < THREAD_ROWS; ++h)
         sum[h] = __fadd_rn(__fadd_rn(chain[h][0], chain[h][1]), __fadd_rn(chain[h][2], chain[h][3]));
 #pragma unroll
     for (int x = 1; x <= 2; x *= 2)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) sum[h] = __fadd_rn(sum[h], __shfl_xor_sync(0xffffffffu, sum[h], x));
+        for (int h = 0; h < THREAD_ROWS; ++h) sum[h] = __fadd_rn(sum[h], __shfl_xor_sync(0xffffffffu, sum[h], x));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) st.l[h] = __fmaf_rn(alpha[h], st.l[h], sum[h]);
+    for (int h = 0; h < THREAD_ROWS; ++h) st.l[h] = __fmaf_rn(alpha[h], st.l[h], sum[h]);
 }
 
 /* The rows' D / 4 accumulators each scaled by its row's alpha (the contract's acc = alpha acc before
  * P V). Skipped when alpha is 1 in every row of the warp: x * 1 == x, so the bits are the same, and
  * after a segment's first block a row's m moves only when a score beats it by RESCALE_THRESHOLD.
  * o(h, j, e): row h's accumulator at column pair j, element e. The whole warp calls it. */
-template <int D, class Accs>
+template <int D, int THREAD_ROWS = 2, class Accs>
 __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], Accs o) {
     if (!__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < THREAD_ROWS; ++h)
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o(h, j, 0) = __fmul_rn(o(h, j, 0), alpha[h]);

@@ -41,6 +41,9 @@
  *     every rank's records are written (merge_in_cluster).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
+ *   When max_q_len * G <= 8 (decode with G <= 8) the split kernel's THREAD_ROWS = 1 instantiation
+ *   runs: every consumer thread's second row (8 rows below its first) is then padding, and only its
+ *   first row's softmax is computed (the same per-row function: block_scores).
  * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 x (K, V)
  * 128 / 64 KB + row states' o 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB;
  * + 1 KB in which the mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no
@@ -270,19 +273,23 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], ui
  * absolute position of the block's first key; row_len: the visible keys of the thread's two rows;
  * masked: some row of the warpgroup cannot see the whole block. Accumulator layout (wgmma): this
  * thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e in
- * x[4 j + 2 h + e]. */
+ * x[4 j + 2 h + e]. THREAD_ROWS: 2, or 1 when only the warpgroup's first 8 rows hold queries (its
+ * row h = 1 is then left alone: update_rows). */
+template <int THREAD_ROWS>
 __device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&alpha)[2]) {
     auto scores = [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; };
-    if (masked) mask_block(lane, key0, row_len, scores);
-    update_rows(st, c, scores, alpha);
+    if (masked) mask_block<THREAD_ROWS>(lane, key0, row_len, scores);
+    update_rows<THREAD_ROWS>(st, c, scores, alpha);
 }
 
-template <bool BF16, int D>
+template <bool BF16, int D, int THREAD_ROWS>
 __device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], const float (&alpha)[2],
                                                float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4], bool fresh) {
-    if (!fresh) rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
-    to_a_fragments<BF16>(s, pa);
+    if (!fresh)
+        rescale_rows<D, THREAD_ROWS>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
+    to_a_fragments<BF16>(s, pa); /* all rows: an operand register left unwritten made ptxas serialize
+                                    every wgmma (C7511) */
 }
 
 /* cp.async of a warpgroup's 64 Q rows, tile rows row0 .. row0 + 63 (row r: query cta.query_of(r),
@@ -381,10 +388,11 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, uint32_t me
  *     waits and releases, so the barriers' phases stay in step. The two consumer warpgroups run
  *     unsynchronized; their wgmmas and softmaxes interleave on their own (forced turn-taking with
  *     named barriers measured 6% slower). */
-template <bool BF16, int D, bool SPLIT>
+template <bool BF16, int D, bool SPLIT, int THREAD_ROWS = 2>
 __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT>::MIN_CTAS)
     attention_fwd_kernel(const FwdParams p) {
     using Tiles = FwdTiles<D, SPLIT>;
+    static_assert(THREAD_ROWS == 2 || SPLIT, "one row per thread: a split tile of at most 8 rows (Forward::run)");
     constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
     constexpr int WARPGROUPS = Tiles::WARPGROUPS;
     extern __shared__ unsigned char smem_raw[];
@@ -564,7 +572,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             auto stage_bytes = [&](int t) { return (uint32_t)(((first + t) % STAGES) * 2 * KV_BYTES); };
             auto scores = [&](int t) {
                 const int key0 = (cta.block_begin + t) * BLOCK_N;
-                block_scores(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg, alpha);
+                block_scores<THREAD_ROWS>(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg,
+                                          alpha);
             };
             /* prefill: block t starts a segment, so the one before it ended one */
             auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % BLOCKS_PER_SEGMENT == 0; };
@@ -589,7 +598,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 wgmma_wait<0>();
                 fence_registers();
                 scores(0);
-                block_operands<BF16, D>(s, alpha, acc, pa, true);
+                block_operands<BF16, D, THREAD_ROWS>(s, alpha, acc, pa, true);
                 bool fresh = true; /* the last scored block starts a segment: its P V starts acc */
                 /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
                  * softmax runs while that P V is on the tensor cores */
@@ -611,7 +620,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                     fence_registers();
                     release(t);
                     if (new_segment) merge_ended(ended);
-                    block_operands<BF16, D>(s, alpha, acc, pa, new_segment);
+                    block_operands<BF16, D, THREAD_ROWS>(s, alpha, acc, pa, new_segment);
                     fresh = new_segment;
                 }
                 /* turn nb: P V of the last block */
@@ -1045,9 +1054,13 @@ struct Forward {
         return FwdTiles<D, false>::PERSISTENT ? persistent_workspace_bytes() : 0;
     }
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
+        /* a split tile's rows are (query, head in group) pairs: when they are at most 8, every
+         * consumer thread's second row is padding and the kernel computes the first alone */
+        const bool eight_rows = a->max_q_len * (a->heads_q / a->heads_kv) <= 8;
         return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                            attention_fwd_kernel<BF16, D, true>, true,
-                                            MERGE_CLUSTER_MAX);
+                                            eight_rows ? attention_fwd_kernel<BF16, D, true, 1>
+                                                       : attention_fwd_kernel<BF16, D, true>,
+                                            true, MERGE_CLUSTER_MAX);
     }
 };
 
