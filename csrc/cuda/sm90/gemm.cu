@@ -79,8 +79,8 @@ typedef struct gemm_plan {
     bool chain_split;  /* the last, partly empty round of items by chains (chained shapes) */
 } gemm_plan;
 
-/* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers). Each tile is one
- * latency-bound chain of K/16 wgmmas, and the weights stream through the SMs that own tiles, so the
+/* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers). A tile's k loop
+ * takes ~250 ns a k-slice at any width (perf-notes), so the more SMs own tiles the better: the
  * width whose tiles come closest to filling one wave wins: 16, 32, 48, 64 or 96 columns (all but 64
  * need K-major B: an MN-major B box is 64 columns wide); with more columns than 96 x SMs, 64 (several
  * waves). Otherwise the fewest estimated ns among the first four, each either in waves of whole tiles
