@@ -274,7 +274,7 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], ui
  * masked: some row of the warpgroup cannot see the whole block. Accumulator layout (wgmma): this
  * thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e in
  * x[4 j + 2 h + e]. THREAD_ROWS: 2, or 1 when only the warpgroup's first 8 rows hold queries (its
- * row h = 1 is then left alone: update_rows). */
+ * row h = 1 then gets p = 0 and keeps its state: update_rows). */
 template <int THREAD_ROWS>
 __device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&alpha)[2]) {
@@ -288,8 +288,8 @@ __device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], co
                                                float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4], bool fresh) {
     if (!fresh)
         rescale_rows<D, THREAD_ROWS>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
-    to_a_fragments<BF16>(s, pa); /* all rows: an operand register left unwritten made ptxas serialize
-                                    every wgmma (C7511) */
+    to_a_fragments<BF16>(s, pa); /* every row: with THREAD_ROWS 1 the padding row's p is 0
+                                    (update_rows), so its fragments are zeros */
 }
 
 /* cp.async of a warpgroup's 64 Q rows, tile rows row0 .. row0 + 63 (row r: query cta.query_of(r),
