@@ -216,10 +216,10 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     if (ctx->plan_only) {
         const int bn = config_bn[plan.config], consumers = config_consumers[plan.config];
         if (chained) {
+            using ChainedTiles = store_tiles<float, gemm_value, true>; /* its items, as launch_gemm_sm90 plans them */
             const int cluster = config_cluster(plan.config, !args->b_trans);
-            p.m_tiles = (int)((args->M + 64 * consumers - 1) / (64 * consumers));
-            p.col_tiles = p.n_units = (int)((args->N + bn - 1) / bn);
-            plan_work_items(&p, cluster, true);
+            plan_work_items(&p, args->M, args->N, 64 * consumers, bn, ChainedTiles::TILES_PER_UNIT, cluster,
+                            ChainedTiles::PAIR_TAIL);
             ctx->workspace_bytes =
                 chain_workspace_bytes(bn, consumers, cluster, p.work_items, k_chains(args->K), plan.chain_split, num_sms);
         } else if (plan.stream_k) {

@@ -309,8 +309,13 @@ struct store_tiles {
  * odd number of row tiles) and Epilogue::PAIR_TAIL, that row tile instead goes in horizontally adjacent
  * pairs of units, one per CTA, each CTA loading its own B. Unpaired, the second CTA of that group
  * computes a phantom row tile past M (at M = 1334, 11 row tiles, 1/12 of the grid's time).
- * Fills p's m_groups, work_items and tail_band_* (the kernel reads them from there). */
-static inline void plan_work_items(gemm_sm90_params *p, int cluster, bool pair_tail_allowed) {
+ * Fills p's m_tiles, col_tiles, n_units, m_groups, work_items and tail_band_* for tiles of bm x bn in
+ * units of tiles_per_unit (the kernel reads them from there; the workspace plan counts items with it). */
+static inline void plan_work_items(gemm_sm90_params *p, int64_t M, int64_t N, int bm, int bn, int tiles_per_unit,
+                                   int cluster, bool pair_tail_allowed) {
+    p->m_tiles = (int)((M + bm - 1) / bm);
+    p->col_tiles = (int)((N + bn - 1) / bn);
+    p->n_units = (p->col_tiles + tiles_per_unit - 1) / tiles_per_unit;
     const bool pair_tail = cluster == 2 && pair_tail_allowed && p->m_tiles % 2 == 1;
     p->m_groups = pair_tail ? p->m_tiles / 2 : (p->m_tiles + cluster - 1) / cluster;
     p->work_items = p->m_groups * p->n_units + (pair_tail ? (p->n_units + 1) / 2 : 0);
@@ -889,11 +894,8 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
         max_clusters[device] = clusters;
         configured_devices |= 1ull << device;
     }
-    p.m_tiles = (int)((args->M + BM - 1) / BM);
-    p.col_tiles = (int)((args->N + BN - 1) / BN);
-    p.n_units = (p.col_tiles + Epilogue::TILES_PER_UNIT - 1) / Epilogue::TILES_PER_UNIT;
     static_assert(!Epilogue::PAIR_TAIL || Epilogue::TILES_PER_UNIT == 1, "a phantom unit must run its partner's k loop");
-    plan_work_items(&p, CLUSTER, Epilogue::PAIR_TAIL);
+    plan_work_items(&p, args->M, args->N, BM, BN, Epilogue::TILES_PER_UNIT, CLUSTER, Epilogue::PAIR_TAIL);
     const int work = p.work_items;
     /* K chains: with kc.split, the items past the last whole round run as one piece per chain */
     typename Epilogue::Params kernel_ep = ep;
