@@ -9,10 +9,14 @@
  *   tall:   BM = 128 (2 consumers), BN = 64, 8 stages, clusters of 2 with K-major B (else none): twice
  *           the tiles of medium for shapes whose medium tiles leave SMs idle (M = N = 1024);
  *   small:  BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster;
- *   narrow: BM = 64, BN = 96 / 48 / 32 / 16 (10 / 14 / 16 / 20 stages), K-major B only;
+ *   narrow: BM = 64, BN = 96 / 48 / 32 / 16 (stages x k-slices 5 x 2 / 3 x 4 / 4 x 4 / 5 x 4; 16 wide
+ *           at M <= 8: 4 x 16 with 8-row A slots), K-major B only;
  *   narrow x2: BM = 128 (2 consumers), BN = 96 / 64 / 48 / 32 / 16 (8 / 8 / 10 / 11 / 12 stages), no
  *           cluster (at M <= 128 the second CTA of a cluster would own only rows past M), K-major B
  *           except BN = 64.
+ *   Every config but narrow stages one 64-wide k-slice at a time. Narrow tiles stream weights, and
+ *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
+ *   measured no faster).
  * M <= 128 (decode) takes the narrowest narrow config (x2 above 64 rows) whose tiles still fit in one
  * wave, the weights streaming through as many SMs as possible; larger M whichever
  * of the first four a measured ns-per-step estimate finds fastest, in waves of whole tiles or stream-K
@@ -80,7 +84,7 @@ typedef struct gemm_plan {
 } gemm_plan;
 
 /* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers). A tile's k loop
- * takes ~250 ns a k-slice at any width (perf-notes), so the more SMs own tiles the better: the
+ * takes about the same time at any width (perf-notes), so the more SMs own tiles the better: the
  * width whose tiles come closest to filling one wave wins: 16, 32, 48, 64 or 96 columns (all but 64
  * need K-major B: an MN-major B box is 64 columns wide); with more columns than 96 x SMs, 64 (several
  * waves). Otherwise the fewest estimated ns among the first four, each either in waves of whole tiles
@@ -139,33 +143,39 @@ template <bool A_MN, bool B_MN, bool BF16, class Tiles>
 static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_params &p,
                          const typename Tiles::Params &ep, int device, int num_sms, cudaStream_t stream) {
     if (config == CONFIG_LARGE)
-        return launch_gemm_sm90<256, 2, 4, 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+        return launch_gemm_sm90<256, 2, 64, 4, 1, 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     if (config == CONFIG_MEDIUM)
-        return launch_gemm_sm90<128, 2, 6, 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+        return launch_gemm_sm90<128, 2, 64, 6, 1, 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     if (config == CONFIG_TALL)  /* B multicast needs K-major B: half of a 64-wide MN-major box is no box */
-        return launch_gemm_sm90<64, 2, 8, B_MN ? 1 : 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms,
+        return launch_gemm_sm90<64, 2, 64, 8, 1, B_MN ? 1 : 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms,
                                                                                         stream);
     if (config == CONFIG_NARROW64_X2)
-        return launch_gemm_sm90<64, 2, 8, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+        return launch_gemm_sm90<64, 2, 64, 8, 1, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     if constexpr (!B_MN && !Tiles::K_CHAINS) {
+        /* up to 8 rows, 16 columns: 8-row A slots (issue_k_slices) make room for stages of 16 k-slices */
+        if constexpr (!A_MN) {
+            if (config == CONFIG_NARROW16 && args->M <= 8)
+                return launch_gemm_sm90<16, 1, 8, 4, 16, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms,
+                                                                                    stream);
+        }
         if (config == CONFIG_NARROW96_X2)
-            return launch_gemm_sm90<96, 2, 8, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+            return launch_gemm_sm90<96, 2, 64, 8, 1, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW48_X2)
-            return launch_gemm_sm90<48, 2, 10, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+            return launch_gemm_sm90<48, 2, 64, 10, 1, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW32_X2)
-            return launch_gemm_sm90<32, 2, 11, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+            return launch_gemm_sm90<32, 2, 64, 11, 1, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW16_X2)
-            return launch_gemm_sm90<16, 2, 12, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+            return launch_gemm_sm90<16, 2, 64, 12, 1, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW96)
-            return launch_gemm_sm90<96, 1, 10, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+            return launch_gemm_sm90<96, 1, 64, 5, 2, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW48)
-            return launch_gemm_sm90<48, 1, 14, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+            return launch_gemm_sm90<48, 1, 64, 3, 4, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW32)
-            return launch_gemm_sm90<32, 1, 16, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+            return launch_gemm_sm90<32, 1, 64, 4, 4, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         if (config == CONFIG_NARROW16)
-            return launch_gemm_sm90<16, 1, 20, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+            return launch_gemm_sm90<16, 1, 64, 5, 4, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     }
-    return launch_gemm_sm90<64, 1, 12, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
+    return launch_gemm_sm90<64, 1, 64, 12, 1, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
 }
 
 template <bool BF16, class Tiles>

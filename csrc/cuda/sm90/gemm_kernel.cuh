@@ -6,7 +6,9 @@
  * of A rows and B columns hot in L2; a unit is Epilogue::TILES_PER_UNIT output tiles of BM x BN in a
  * row (1 for a GEMM). Warpgroup 0 is the producer: one thread issues TMA loads (cp.async.bulk.tensor,
  * 128-byte swizzle, zero fill out of bounds) of BK = 64 wide k-slices of A and B into a ring of STAGES
- * shared-memory buffers that complete on mbarriers. Each consumer warpgroup owns 64 rows of the tile
+ * shared-memory stages of SLICES k-slices each, which complete on mbarriers (the narrow decode configs
+ * take 2-16 slices a stage: a weight stream's pace is set by its stages more than by its bytes,
+ * docs/perf-notes.md "Decode GEMMs: bytes per stage"). Each consumer warpgroup owns 64 rows of the tile
  * and multiplies them with wgmma.m64nBNk16 (fp32 accumulators in registers, both operands read from
  * shared memory through descriptors whose transpose bits cover K-major and MN-major A and B); with
  * CLUSTER = 2, two CTAs on vertically adjacent tiles each load half of the shared B tile, multicast to
@@ -45,9 +47,10 @@
  * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
  * filled by TMA, adding exact zeros; with K chains, the steps of each chain from 0 and the chains'
  * sum as above), then the epilogue's explicitly rounded fp32 operations. The wgmma N width (256 to
- * 16), the row offset inside the tile, the cluster, the store path and a stream-K hand-over (an exact
- * fp32 copy of the accumulator registers, which the next wgmma adds into as it would have in place)
- * do not change an element's arithmetic.
+ * 16), the row offset inside the tile, the cluster, the k-slices per stage, the A rows staged (8 at
+ * M <= 8: the wgmma's other rows re-read them), the store path and a stream-K hand-over (an exact fp32
+ * copy of the accumulator registers, which the next wgmma adds into as it would have in place) do not
+ * change an element's arithmetic.
  * No split-K sums by M, no order-dependent atomics. The per-op proofs are the GPU tests named in
  * sm90/gemm.cu and sm90/linear_logp.cu.
  *
@@ -526,10 +529,10 @@ __host__ __device__ constexpr int epi_buffers() {
     return CONSUMERS == 2 && Epilogue::STORES_TILES && BN % 64 == 0 ? 2 * CONSUMERS : 0;
 }
 
-template <int BN, int CONSUMERS, int STAGES, class Epilogue>
+template <int BN, int CONSUMERS, int A_ROWS, int STAGES, int SLICES, class Epilogue>
 constexpr int gemm_sm90_smem_bytes() {
-    return STAGES * (64 * CONSUMERS + BN) * BK * 2 + epi_buffers<BN, CONSUMERS, Epilogue>() * EPI_BOX_BYTES + SMEM_ALIGN +
-           2 * STAGES * 8;
+    return STAGES * SLICES * (A_ROWS * CONSUMERS + BN) * BK * 2 +
+           epi_buffers<BN, CONSUMERS, Epilogue>() * EPI_BOX_BYTES + SMEM_ALIGN + 2 * STAGES * 8;
 }
 
 /* Frees a stage for the producers of this CTA and, with clusters, of the peer CTA (whose producer wrote
@@ -540,12 +543,16 @@ __device__ __forceinline__ void release_stage(uint32_t bar, int cta_rank) {
     if constexpr (CLUSTER == 2) mbar_arrive_cluster(bar, cta_rank ^ 1);
 }
 
-/* Issues the four k16 wgmmas of the k-slice in stage s into d (accumulate = 0: the first one starts d
- * from zero) as one commit group. */
-template <int BN, int CONSUMERS, bool A_MN, bool B_MN, bool BF16>
-__device__ __forceinline__ void issue_k_slice(float (&d)[BN / 2], int s, uint32_t a_rows, uint32_t b_smem,
-                                              int accumulate) {
-    constexpr uint32_t A_STAGE = 64 * CONSUMERS * BK * 2, B_STAGE = BN * BK * 2;
+/* Issues the 4 NS k16 wgmmas of the NS k-slices in shared-memory slots slot, slot + 1, ... into d
+ * (accumulate = 0: the first one starts d from zero) as one commit group. A_ROWS = 8: a consumer's A
+ * slot holds 8 rows and the descriptor's 8-row stride is 0, so the wgmma's rows 8-63 read rows 0-7
+ * again (rows past M <= 8, never stored; each row's arithmetic is its own). */
+template <int BN, int CONSUMERS, int A_ROWS, bool A_MN, bool B_MN, bool BF16, int NS>
+__device__ __forceinline__ void issue_k_slices(float (&d)[BN / 2], int slot, uint32_t a_rows, uint32_t b_smem,
+                                               int accumulate) {
+    static_assert(A_ROWS == 64 || (A_ROWS == 8 && !A_MN && CONSUMERS == 1), "8-row A slots: K-major, one consumer");
+    constexpr uint32_t A_SLICE = A_ROWS * CONSUMERS * BK * 2, B_SLICE = BN * BK * 2;
+    constexpr uint32_t A_SBO = A_ROWS == 8 ? 0 : 1024;
     constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
     constexpr uint32_t A_K16 = A_MN ? 16 * 128 : 32;  /* byte step per k16 inside a stage */
     constexpr uint32_t B_K16 = B_MN ? 16 * 128 : 32;
@@ -553,41 +560,57 @@ __device__ __forceinline__ void issue_k_slice(float (&d)[BN / 2], int s, uint32_
     wgmma_fence();
     fence_accumulators(d);
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-        const uint64_t da = smem_desc(a_rows + s * A_STAGE + kk * A_K16, A_LBO, 1024);
-        const uint64_t db = smem_desc(b_smem + s * B_STAGE + kk * B_K16, B_LBO, 1024);
-        wgmma_k16<BN, BF16, A_MN, B_MN>(d, da, db, kk > 0 || accumulate);
-    }
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            const uint64_t da = smem_desc(a_rows + (slot + j) * A_SLICE + kk * A_K16, A_LBO, A_SBO);
+            const uint64_t db = smem_desc(b_smem + (slot + j) * B_SLICE + kk * B_K16, B_LBO, 1024);
+            wgmma_k16<BN, BF16, A_MN, B_MN>(d, da, db, j > 0 || kk > 0 || accumulate);
+        }
     wgmma_commit();
     fence_accumulators(d);
 }
 
+/* The k-slices in the stage that starts at slice kt of a range ending at k_end: SLICES, or one each
+ * for the range's last k_end - kt < SLICES slices (producer and consumers cut a range alike). */
+template <int SLICES>
+__host__ __device__ __forceinline__ int stage_slices(int kt, int k_end) {
+    return kt + SLICES <= k_end ? SLICES : 1;
+}
+
 /* One consumer warpgroup's k loop over k-slices [k_begin, k_end) of one tile: d = its 64 rows (A at a_rows)
  * times the BN columns, from zero when k_begin = 0, else continuing the chain d holds (stream-K).
- * it counts k-slices through the stage ring across tiles; each stage is freed once the wgmmas reading it
- * are done, keeping one k-slice of wgmmas in flight while waiting for the previous one.
+ * it counts stages through the ring across tiles; a stage holds SLICES k-slices, or one at the end of
+ * the range (the producer cuts the range the same way: stage_slices). Each stage is freed once the
+ * wgmmas reading it are done, keeping one stage of wgmmas in flight while waiting for the previous one.
  * CHAIN = 0 (GEMM): every k16 step accumulates into d.
- * CHAIN = c > 0 (linear_logp): every c consecutive 64-wide k-slices form a fresh wgmma chain from zero,
- * added into d with a round-to-nearest fp32 FADD. The tensor cores' accumulator adds truncate, which over
- * one 4096-long chain gave 3.2e-4 logp error at logits up to ~50 (docs/perf-notes.md); chains
- * of 1, 2 or 4 slices gave ~2e-5, and 4 hides the FADDs (a chain per slice cost 25% of the time).
- * Every order here depends on K alone. */
-template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, int CHAIN>
+ * CHAIN = c > 0 (linear_logp, one slice a stage): every c consecutive 64-wide k-slices form a fresh
+ * wgmma chain from zero, added into d with a round-to-nearest fp32 FADD. The tensor cores' accumulator
+ * adds truncate, which over one 4096-long chain gave 3.2e-4 logp error at logits up to ~50
+ * (docs/perf-notes.md); chains of 1, 2 or 4 slices gave ~2e-5, and 4 hides the FADDs (a chain per slice
+ * cost 25% of the time). Every order here depends on K alone. */
+template <int BN, int CONSUMERS, int A_ROWS, int STAGES, int SLICES, int CLUSTER, bool A_MN, bool B_MN, bool BF16,
+          int CHAIN>
 __device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_begin, int k_end, int &it, uint32_t a_rows,
                                          uint32_t b_smem, uint32_t full_bar, uint32_t empty_bar, int cta_rank) {
+    static_assert(CHAIN == 0 || SLICES == 1, "chains are counted in stages of one slice");
     const bool warp_leader = threadIdx.x % 32 == 0;
     float chain[CHAIN > 0 ? BN / 2 : 1];
     if (k_begin == 0) {
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
     }
-    bool prev_busy = false;  /* the previous k-slice's stage still awaits release */
-    for (int kt = k_begin; kt < k_end; ++kt, ++it) {
+    bool prev_busy = false;  /* the previous stage still awaits release */
+    /* the stage of k-slices kt .. kt + NS - 1 */
+    auto run_stage = [&](auto ns, int kt) {
+        constexpr int NS = decltype(ns)::value;
         const int s = it % STAGES;
         mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
-        if constexpr (CHAIN > 0) issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(chain, s, a_rows, b_smem, kt % CHAIN != 0);
-        else issue_k_slice<BN, CONSUMERS, A_MN, B_MN, BF16>(d, s, a_rows, b_smem, 1);
-        /* keep this k-slice's wgmmas in flight; the previous one's are done -> free its stage */
+        if constexpr (CHAIN > 0)
+            issue_k_slices<BN, CONSUMERS, A_ROWS, A_MN, B_MN, BF16, NS>(chain, s * SLICES, a_rows, b_smem,
+                                                                        kt % CHAIN != 0);
+        else issue_k_slices<BN, CONSUMERS, A_ROWS, A_MN, B_MN, BF16, NS>(d, s * SLICES, a_rows, b_smem, 1);
+        /* keep this stage's wgmmas in flight; the previous one's are done -> free its stage */
         wgmma_wait<1>();
         if (prev_busy && warp_leader) release_stage<CLUSTER>(empty_bar + 8 * ((it - 1) % STAGES), cta_rank);
         prev_busy = true;
@@ -601,7 +624,11 @@ __device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_begin, int k_
                 for (int i = 0; i < BN / 2; ++i) d[i] = __fadd_rn(d[i], chain[i]);
             }
         }
-    }
+    };
+    int kt = k_begin;
+    for (; kt + SLICES <= k_end; kt += SLICES, ++it) run_stage(std::integral_constant<int, SLICES>{}, kt);
+    if constexpr (SLICES > 1)
+        for (; kt < k_end; ++kt, ++it) run_stage(std::integral_constant<int, 1>{}, kt);
     /* unconditional: a wgmma wait inside a branch made ptxas serialize every wgmma (C7518) */
     wgmma_wait<0>();
     fence_accumulators(d);
@@ -610,9 +637,11 @@ __device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_begin, int k_
 
 /* A_MN: A is MN-major in memory (a_trans = 1); B_MN: B is MN-major (b_trans = 0). CLUSTER = 2: the two
  * CTAs of a cluster compute vertically adjacent tiles and each loads half of the shared B tile,
- * multicast into both, which halves B's L2 -> SM traffic. Epilogue: what the consumers do with each
- * unit's tiles (see "Epilogue policies" above). */
-template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, class Epilogue>
+ * multicast into both, which halves B's L2 -> SM traffic. A_ROWS: the A rows a consumer stages per
+ * k-slice, 64, or 8 when M <= 8 (issue_k_slices). SLICES: k-slices per stage (mma_tile). Epilogue: what
+ * the consumers do with each unit's tiles (see "Epilogue policies" above). */
+template <int BN, int CONSUMERS, int A_ROWS, int STAGES, int SLICES, int CLUSTER, bool A_MN, bool B_MN, bool BF16,
+          class Epilogue>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_a_tail,
                  const __grid_constant__ CUtensorMap map_b,
@@ -621,12 +650,12 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     constexpr int BM = 64 * CONSUMERS;
     constexpr int TILES_PER_UNIT = Epilogue::TILES_PER_UNIT;
     constexpr bool TMA_EPILOGUE = epi_buffers<BN, CONSUMERS, Epilogue>() > 0;
-    constexpr uint32_t A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2;
+    constexpr uint32_t A_SLICE = A_ROWS * CONSUMERS * BK * 2, B_SLICE = BN * BK * 2;  /* a k-slice's slot */
     constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
     extern __shared__ uint8_t smem_raw[];
     const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
-    const uint32_t a_smem = smem, b_smem = smem + STAGES * A_STAGE;
-    const uint32_t epi_smem = b_smem + STAGES * B_STAGE;  /* 1024-aligned: stage sizes are multiples of 1 KB */
+    const uint32_t a_smem = smem, b_smem = smem + STAGES * SLICES * A_SLICE;
+    const uint32_t epi_smem = b_smem + STAGES * SLICES * B_SLICE;  /* 1024-aligned: stage sizes are multiples of 1 KB */
     const uint32_t full_bar = epi_smem + epi_buffers<BN, CONSUMERS, Epilogue>() * EPI_BOX_BYTES;
     const uint32_t empty_bar = full_bar + STAGES * 8;
     const int cta_rank = CLUSTER == 1 ? 0 : (int)cluster_ctarank();
@@ -666,52 +695,59 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                     constexpr bool SHARED_B = decltype(shared_b)::value;
                     const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
                     for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
-                        for (int kt = k_begin; kt < k_end; ++kt, ++it) {
+                        for (int kt = k_begin; kt < k_end; ++it) {
                             const int s = it % STAGES;
+                            const int slices = stage_slices<SLICES>(kt, k_end);
                             mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
                             const uint32_t bar = full_bar + 8 * s;
                             /* A rows past M are not loaded (the TMA's zero fill of absent rows is slow): the
                              * last row tile loads its rows rounded up to 8, a phantom tile past M none; the
                              * stale shared memory only reaches accumulator rows that are never stored */
                             const int a_rows = m_blk < p.m_tiles - 1 ? BM : m_blk == p.m_tiles - 1 ? p.a_tail_rows : 0;
-                            mbar_arrive_expect_tx(bar, (a_rows == BM ? p.a_box_bytes : a_rows > 0 ? p.a_tail_box_bytes : 0) +
-                                                           B_STAGE);
-                            if constexpr (A_MN) {
+                            const uint32_t a_bytes = a_rows == BM ? p.a_box_bytes : a_rows > 0 ? p.a_tail_box_bytes : 0;
+                            mbar_arrive_expect_tx(bar, slices * (a_bytes + B_SLICE));
 #pragma unroll
-                                for (int j = 0; j < BM / 64; ++j)
-                                    if (64 * j < a_rows)
-                                        tma_load_2d(a_smem + s * A_STAGE + j * MN_BOX, &map_a, m_blk * BM + 64 * j,
-                                                    kt * BK, bar);
-                            } else if (a_rows > 0) {
-                                tma_load_2d(a_smem + s * A_STAGE, a_rows == BM ? &map_a : &map_a_tail, kt * BK,
-                                            m_blk * BM, bar);
-                            }
-                            const uint32_t b_dst = b_smem + s * B_STAGE;
-                            if constexpr (SHARED_B) {
-                                /* this CTA's half of the B tile, into both CTAs */
-                                constexpr int HALF = BN / 2;
-                                if constexpr (B_MN) {
+                            for (int j = 0; j < SLICES; ++j) {
+                                if (j > 0 && j >= slices) break;
+                                const int slot = s * SLICES + j, k = (kt + j) * BK;
+                                if constexpr (A_MN) {
 #pragma unroll
-                                    for (int jj = 0; jj < HALF / 64; ++jj) {
-                                        const int j = cta_rank * (HALF / 64) + jj;
-                                        tma_load_2d_multicast(b_dst + j * MN_BOX, &map_b, n_blk * BN + 64 * j,
-                                                              kt * BK, bar, 0x3);
+                                    for (int jj = 0; jj < BM / 64; ++jj)
+                                        if (64 * jj < a_rows)
+                                            tma_load_2d(a_smem + slot * A_SLICE + jj * MN_BOX, &map_a,
+                                                        m_blk * BM + 64 * jj, k, bar);
+                                } else if (a_rows > 0) {
+                                    tma_load_2d(a_smem + slot * A_SLICE, a_rows == BM ? &map_a : &map_a_tail, k,
+                                                m_blk * BM, bar);
+                                }
+                                const uint32_t b_dst = b_smem + slot * B_SLICE;
+                                if constexpr (SHARED_B) {
+                                    /* this CTA's half of the B tile, into both CTAs */
+                                    constexpr int HALF = BN / 2;
+                                    if constexpr (B_MN) {
+#pragma unroll
+                                        for (int jj = 0; jj < HALF / 64; ++jj) {
+                                            const int jb = cta_rank * (HALF / 64) + jj;
+                                            tma_load_2d_multicast(b_dst + jb * MN_BOX, &map_b, n_blk * BN + 64 * jb, k,
+                                                                  bar, 0x3);
+                                        }
+                                    } else {
+                                        tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, k,
+                                                              n_blk * BN + cta_rank * HALF, bar, 0x3);
                                     }
                                 } else {
-                                    tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, kt * BK,
-                                                          n_blk * BN + cta_rank * HALF, bar, 0x3);
-                                }
-                            } else {
-                                /* the whole B tile into this CTA: MN-major in 64-column boxes, K-major in the
-                                 * map's boxes of BN / CLUSTER rows */
-                                constexpr int B_BOX = B_MN ? 64 : BN / CLUSTER;
+                                    /* the whole B tile into this CTA: MN-major in 64-column boxes, K-major in the
+                                     * map's boxes of BN / CLUSTER rows */
+                                    constexpr int B_BOX = B_MN ? 64 : BN / CLUSTER;
 #pragma unroll
-                                for (int j = 0; j < BN / B_BOX; ++j) {
-                                    const uint32_t dst = b_dst + j * B_BOX * BK * 2;
-                                    if constexpr (B_MN) tma_load_2d(dst, &map_b, n_blk * BN + B_BOX * j, kt * BK, bar);
-                                    else tma_load_2d(dst, &map_b, kt * BK, n_blk * BN + B_BOX * j, bar);
+                                    for (int jb = 0; jb < BN / B_BOX; ++jb) {
+                                        const uint32_t dst = b_dst + jb * B_BOX * BK * 2;
+                                        if constexpr (B_MN) tma_load_2d(dst, &map_b, n_blk * BN + B_BOX * jb, k, bar);
+                                        else tma_load_2d(dst, &map_b, k, n_blk * BN + B_BOX * jb, bar);
+                                    }
                                 }
                             }
+                            kt += slices;
                         }
                     }
                 };
@@ -728,7 +764,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
         if constexpr (CONSUMERS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int c = warpgroup - 1;
         /* K-major: 64 rows of 128 bytes; MN-major: one 64 x BK box. Both are 8 KB per 64 rows. */
-        const uint32_t a_rows = a_smem + c * 64 * BK * 2;
+        const uint32_t a_rows = a_smem + c * A_ROWS * BK * 2;
         float d[BN / 2];
         int it = 0;
         for (int i = 0; i < plan.pieces(); ++i) {
@@ -750,7 +786,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
 #pragma unroll
                             for (int e = 0; e < BN / 2; ++e) d[e] = 0.f;
                         }
-                        mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
+                        mma_tile<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
                             d, kb, ke, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
                         if (whole) fold_chain<BN>(d, p.partials + (int64_t)slot * 64 * BN, kb == 0, ke == k_end);
                         kb = ke;
@@ -763,7 +799,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                     if (STREAM_K && k_begin > 0)
                         load_partial<BN>(d, p.partials + (int64_t)slot * 64 * BN, p.partial_ready + slot, 1u + c);
                     /* no loop state: with it the 256-wide dz kernel spilled */
-                    mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
+                    mma_tile<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
                         d, k_begin, k_end, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
                     if (STREAM_K && k_end < p.k_tiles) {
                         const int next = slot + CLUSTER * CONSUMERS;
@@ -775,7 +811,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
             } else {
                 const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
                 for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
-                    mma_tile<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
+                    mma_tile<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
                         d, 0, p.k_tiles, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
                     Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_blk * BN, p, ep, store);
                 }
@@ -825,11 +861,13 @@ static bool make_tensor_map(CUtensorMap *map, CUtensorMapDataType dtype, const v
 
 /* Builds the tensor maps and launches gemm_sm90_kernel for the product args describes (A, B, out), with
  * p's epilogue fields (C, alpha, beta) filled by the caller. */
-template <int BN, int CONSUMERS, int STAGES, int CLUSTER, bool A_MN, bool B_MN, bool BF16, class Epilogue>
+template <int BN, int CONSUMERS, int A_ROWS, int STAGES, int SLICES, int CLUSTER, bool A_MN, bool B_MN, bool BF16,
+          class Epilogue>
 static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const typename Epilogue::Params &ep,
                             int device, int num_sms, cudaStream_t stream) {
     using OutT = typename Epilogue::OutT;
     constexpr int BM = 64 * CONSUMERS;
+    if (A_ROWS < 64 && args->M > A_ROWS) return RLK_UNSUPPORTED;  /* 8-row A slots hold M <= 8 only */
     /* the last row tile's A loads: its rows rounded up to 8 (K-major: a box of that many rows; MN-major:
      * the 64-row boxes that hold them) */
     const int tail = (int)(args->M % BM);
@@ -860,8 +898,8 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
         p.tma_store = make_tensor_map(&map_out, out_type, args->out, args->N, args->M, args->ldo * (int64_t)sizeof(OutT),
                                       128 / (int)sizeof(OutT), 64);
     }
-    auto kernel = gemm_sm90_kernel<BN, CONSUMERS, STAGES, CLUSTER, A_MN, B_MN, BF16, Epilogue>;
-    constexpr int smem_bytes = gemm_sm90_smem_bytes<BN, CONSUMERS, STAGES, Epilogue>();
+    auto kernel = gemm_sm90_kernel<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue>;
+    constexpr int smem_bytes = gemm_sm90_smem_bytes<BN, CONSUMERS, A_ROWS, STAGES, SLICES, Epilogue>();
     static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
     cudaLaunchConfig_t config;

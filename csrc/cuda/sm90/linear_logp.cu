@@ -248,8 +248,8 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_co
     lp.scale_log2 = args->inv_temperature * LOG2E;
 
     const cudaStream_t s = (cudaStream_t)ctx->stream;
-    const int rc = bf16 ? launch_gemm_sm90<192, 2, 5, 2, false, false, true, logp_fold<192>>(&g, p, lp, device, num_sms, s)
-                        : launch_gemm_sm90<192, 2, 5, 2, false, false, false, logp_fold<192>>(&g, p, lp, device, num_sms, s);
+    const int rc = bf16 ? launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, true, logp_fold<192>>(&g, p, lp, device, num_sms, s)
+                        : launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, false, logp_fold<192>>(&g, p, lp, device, num_sms, s);
     if (rc != RLK_OK) return rc;
     return launch_linear_logp_merge(args, lp.partials, s);
 }
@@ -290,8 +290,8 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
     lp.inv_temperature = args->inv_temperature;
 
     const cudaStream_t s = (cudaStream_t)ctx->stream;
-    return bf16 ? launch_gemm_sm90<256, 2, 4, 2, false, false, true, store_tiles<__nv_bfloat16, dlogits_value>>(
+    return bf16 ? launch_gemm_sm90<256, 2, 64, 4, 1, 2, false, false, true, store_tiles<__nv_bfloat16, dlogits_value>>(
                       &g, p, lp, device, num_sms, s)
-                : launch_gemm_sm90<256, 2, 4, 2, false, false, false, store_tiles<__half, dlogits_value>>(
+                : launch_gemm_sm90<256, 2, 64, 4, 1, 2, false, false, false, store_tiles<__half, dlogits_value>>(
                       &g, p, lp, device, num_sms, s);
 }
