@@ -83,7 +83,8 @@ typedef struct gemm_plan {
     bool chain_split;  /* the last, partly empty round of items by chains (chained shapes) */
 } gemm_plan;
 
-/* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers). A tile's k loop
+/* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers, or two row tiles of
+ * one consumer where they fit in one wave). A tile's k loop
  * takes about the same time at any width (perf-notes), so the more SMs own tiles the better: the
  * width whose tiles come closest to filling one wave wins: 16, 32, 48, 64 or 96 columns (all but 64
  * need K-major B: an MN-major B box is 64 columns wide); with more columns than 96 x SMs, 64 (several
@@ -110,8 +111,12 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
             {CONFIG_NARROW16_X2, CONFIG_NARROW32_X2, CONFIG_NARROW48_X2, CONFIG_NARROW64_X2, CONFIG_NARROW96_X2}};
         const int x2 = M > 64;
         for (int i = 0; i < 5; ++i)
-            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms)
-                return {configs[x2][i], false, false};
+            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) {
+                /* above 64 rows, one consumer per 64-row tile where the two row tiles still fit in one
+                 * wave: twice the SMs stream the weights (the second row tile reads them from L2) */
+                const bool two_row_tiles = x2 && 2 * ((N + widths[i] - 1) / widths[i]) <= num_sms;
+                return {configs[x2 && !two_row_tiles][i], false, false};
+            }
         return {configs[x2][3], false, false};
     }
     gemm_plan best = {CONFIG_LARGE, false, false};
