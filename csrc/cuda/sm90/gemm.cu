@@ -17,12 +17,13 @@
  *   Every config but narrow stages one 64-wide k-slice at a time. Narrow tiles stream weights, and
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
- * M <= 128 (decode) takes the narrowest narrow config (x2 above 64 rows) whose tiles still fit in one
- * wave, the weights streaming through as many SMs as possible; larger M whichever
- * of the first four a measured ns-per-step estimate finds fastest, in waves of whole tiles or stream-K
- * (gemm_kernel.cuh: every SM an equal share of the k-slices, a tile split between two CTAs continuing
- * one accumulator chain through L2; the workspace is planned, ctx->workspace_bytes). From K = 65536 on
- * the kernels' K-chain variants run instead (4 chains summed in order; gemm_kernel.cuh, "K chains").
+ * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64
+ * rows, unless two one-consumer row tiles fit), the weights streaming through as many SMs as possible;
+ * larger M whichever of the first four a measured ns-per-step estimate finds fastest, in waves of whole
+ * tiles or stream-K (gemm_kernel.cuh: every SM an equal share of the k-slices, a tile split between two
+ * CTAs continuing one accumulator chain through L2; the workspace is planned, ctx->workspace_bytes).
+ * From K = 65536 on the kernels' K-chain variants run instead (4 chains summed in order;
+ * gemm_kernel.cuh, "K chains").
  *
  * Invariance proof on the GPU: tests/test_gpu_gemm.py (every M of the sweep 1..4096 against M = 4096 on
  * the Qwen3-8B shapes, which exercises every config; rows shifted across tiles; outputs and operands at
