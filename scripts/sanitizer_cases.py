@@ -16,7 +16,9 @@ def main():
 
     backends = [b for b in ("sm90", "sm80") if kernel_registry.backend_status("det_gemm", b)[0]]
     for backend in backends:
-        for m, k, n in ((1, 64, 72), (70, 136, 200), (130, 33, 17), (64, 0, 8)):
+        # (5, 1160, 40), (100, 1160, 300): sm90 decode stages of 16 (8-row A slots) and 4 k-slices, then
+        # the 19 k-slices' one-slice remainder; M = 100 as two one-consumer row tiles
+        for m, k, n in ((1, 64, 72), (70, 136, 200), (130, 33, 17), (64, 0, 8), (5, 1160, 40), (100, 1160, 300)):
             a, w = randn(m, k), randn(n, k)
             rl_kernels.det_gemm(a, w.t(), backend=backend)
             rl_kernels.det_gemm(a, w.t().contiguous(), out_dtype=torch.float32, backend=backend)
