@@ -85,14 +85,14 @@ typedef struct gemm_plan {
 } gemm_plan;
 
 /* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers, or two row tiles of
- * one consumer where they fit in one wave). A tile's k loop
- * takes about the same time at any width (perf-notes), so the more SMs own tiles the better: the
- * width whose tiles come closest to filling one wave wins: 16, 32, 48, 64 or 96 columns (all but 64
- * need K-major B: an MN-major B box is 64 columns wide); with more columns than 96 x SMs, 64 (several
- * waves). Otherwise the fewest estimated ns among the first four, each either in waves of whole tiles
- * (the last wave partly empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal
- * share of the k-slices per SM, plus its overhead). A chained shape (K chains, below) takes the 64-wide
- * configs up to 128 rows, and in place of stream-K may run its last, partly empty round by chains. */
+ * one consumer where they fit in one wave). A tile's k loop takes about the same time at any width
+ * (perf-notes), so the more SMs own tiles the better: the width whose tiles come closest to filling one
+ * wave wins: 16, 32, 48, 64 or 96 columns (all but 64 need K-major B: an MN-major B box is 64 columns
+ * wide); with more columns than 96 x SMs, 64 (several waves). Otherwise the fewest estimated ns among
+ * the first four, each either in waves of whole tiles (the last wave partly empty) or, with scratch
+ * memory and at least a wave of tiles, stream-K (an equal share of the k-slices per SM, plus its
+ * overhead). A chained shape (K chains, below) takes the 64-wide configs up to 128 rows, and in place of
+ * stream-K may run its last, partly empty round by chains. */
 static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool has_workspace, int num_sms) {
     const int chains = k_chains(K);
     const double steps = (double)((K + 63) / 64 * 4);
@@ -148,6 +148,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
 template <bool A_MN, bool B_MN, bool BF16, class Tiles>
 static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_params &p,
                          const typename Tiles::Params &ep, int device, int num_sms, cudaStream_t stream) {
+    /* launch_gemm_sm90<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Tiles> */
     if (config == CONFIG_LARGE)
         return launch_gemm_sm90<256, 2, 64, 4, 1, 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     if (config == CONFIG_MEDIUM)

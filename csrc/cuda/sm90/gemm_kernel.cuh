@@ -655,7 +655,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     extern __shared__ uint8_t smem_raw[];
     const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
     const uint32_t a_smem = smem, b_smem = smem + STAGES * SLICES * A_SLICE;
-    const uint32_t epi_smem = b_smem + STAGES * SLICES * B_SLICE;  /* 1024-aligned: stage sizes are multiples of 1 KB */
+    const uint32_t epi_smem = b_smem + STAGES * SLICES * B_SLICE;  /* 1024-aligned: slots are multiples of 1 KB */
     const uint32_t full_bar = epi_smem + epi_buffers<BN, CONSUMERS, Epilogue>() * EPI_BOX_BYTES;
     const uint32_t empty_bar = full_bar + STAGES * 8;
     const int cta_rank = CLUSTER == 1 ? 0 : (int)cluster_ctarank();
@@ -763,7 +763,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
         /* consumer warpgroup c: rows 64c .. 64c+63 of each tile */
         if constexpr (CONSUMERS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int c = warpgroup - 1;
-        /* K-major: 64 rows of 128 bytes; MN-major: one 64 x BK box. Both are 8 KB per 64 rows. */
+        /* K-major: A_ROWS rows of 128 bytes; MN-major: one 64 x BK box. Both are 8 KB per 64 rows. */
         const uint32_t a_rows = a_smem + c * A_ROWS * BK * 2;
         float d[BN / 2];
         int it = 0;

@@ -248,8 +248,11 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_co
     lp.scale_log2 = args->inv_temperature * LOG2E;
 
     const cudaStream_t s = (cudaStream_t)ctx->stream;
-    const int rc = bf16 ? launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, true, logp_fold<192>>(&g, p, lp, device, num_sms, s)
-                        : launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, false, logp_fold<192>>(&g, p, lp, device, num_sms, s);
+    /* launch_gemm_sm90<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue> */
+    const int rc = bf16 ? launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, true, logp_fold<192>>(
+                              &g, p, lp, device, num_sms, s)
+                        : launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, false, logp_fold<192>>(
+                              &g, p, lp, device, num_sms, s);
     if (rc != RLK_OK) return rc;
     return launch_linear_logp_merge(args, lp.partials, s);
 }
