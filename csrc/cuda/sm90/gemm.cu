@@ -18,8 +18,9 @@
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
  * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64
- * rows, unless two one-consumer row tiles fit), the weights streaming through as many SMs as possible;
- * larger M whichever of the first four a measured ns-per-step estimate finds fastest, in waves of whole
+ * rows, unless two one-consumer row tiles fit), the weights streaming through as many SMs as possible,
+ * and so does M <= 256 where a one-consumer narrow config's row tiles all fit in one wave (k / v); other
+ * M whichever of the first four a measured ns-per-step estimate finds fastest, in waves of whole
  * tiles or stream-K (gemm_kernel.cuh: every SM an equal share of the k-slices, a tile split between two
  * CTAs continuing one accumulator chain through L2; the workspace is planned, ctx->workspace_bytes).
  * From K = 65536 on the kernels' K-chain variants run instead (4 chains summed in order;
@@ -105,11 +106,11 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
                                 CHAIN_SPLIT_FIXED_NS / config_step_ns[CONFIG_SMALL];
         return {M > 64 ? CONFIG_NARROW64_X2 : CONFIG_SMALL, false, has_workspace && rest > 0 && split_ns < waves_ns};
     }
+    static const int widths[] = {16, 32, 48, 64, 96};
+    static const int configs[2][5] = {
+        {CONFIG_NARROW16, CONFIG_NARROW32, CONFIG_NARROW48, CONFIG_SMALL, CONFIG_NARROW96},
+        {CONFIG_NARROW16_X2, CONFIG_NARROW32_X2, CONFIG_NARROW48_X2, CONFIG_NARROW64_X2, CONFIG_NARROW96_X2}};
     if (M <= 128) {
-        static const int widths[] = {16, 32, 48, 64, 96};
-        static const int configs[2][5] = {
-            {CONFIG_NARROW16, CONFIG_NARROW32, CONFIG_NARROW48, CONFIG_SMALL, CONFIG_NARROW96},
-            {CONFIG_NARROW16_X2, CONFIG_NARROW32_X2, CONFIG_NARROW48_X2, CONFIG_NARROW64_X2, CONFIG_NARROW96_X2}};
         const int x2 = M > 64;
         for (int i = 0; i < 5; ++i)
             if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) {
@@ -119,6 +120,12 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
                 return {configs[x2 && !two_row_tiles][i], false, false};
             }
         return {configs[x2][3], false, false};
+    }
+    /* up to 256 rows, narrow one-consumer tiles where all their row tiles fit in one wave (k / v: 32
+     * columns x 4 row tiles), as at decode */
+    if (M <= 256 && chains == 1 && !b_mn) {
+        for (int i = 0; i < 3; ++i)
+            if ((M + 63) / 64 * ((N + widths[i] - 1) / widths[i]) <= num_sms) return {configs[0][i], false, false};
     }
     gemm_plan best = {CONFIG_LARGE, false, false};
     double best_ns = INFINITY;
