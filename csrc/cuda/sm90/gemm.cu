@@ -121,8 +121,8 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
             }
         return {configs[x2][3], false, false};
     }
-    /* up to 256 rows, narrow one-consumer tiles where all their row tiles fit in one wave (k / v: 32
-     * columns x 4 row tiles), as at decode */
+    /* up to 256 rows, one-consumer tiles of 16, 32 or 48 columns where all their row tiles fit in one
+     * wave (k / v: 32 columns x 4 row tiles), as at decode */
     if (M <= 256 && chains == 1 && !b_mn) {
         for (int i = 0; i < 3; ++i)
             if ((M + 63) / 64 * ((N + widths[i] - 1) / widths[i]) <= num_sms) return {configs[0][i], false, false};
