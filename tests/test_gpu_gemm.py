@@ -63,11 +63,11 @@ def test_rows_bitwise_invariant_at_training_token_counts(backend, k, n):
             f"suffix M={m} differs"
 
 
-# sm90's one-consumer decode configs (16 / 32 / 48 / 96 columns; M <= 64, and 65-128 as two row tiles
-# where they fit in one wave: N = 1024) stage 2-4 k-slices of 64 at a time (16 columns at M <= 8: 16
-# k-slices, with 8-row A slots whose wgmma rows 8-63 re-read rows 0-7), the last k_tiles % slices one
-# at a time; the configs of larger M stage one. K from 1 to 65 k-slices (remainders 0-15 of every stage
-# size; K = 136 and 4120 end in a part slice), N picking each width.
+# sm90's one-consumer decode configs (16 / 32 / 48 / 96 columns; M <= 64, and up to 256 as several row
+# tiles where they all fit in one wave: N = 1024) stage 2-4 k-slices of 64 at a time (16 columns at
+# M <= 8: 16 k-slices, with 8-row A slots whose wgmma rows 8-63 re-read rows 0-7), the last k_tiles %
+# slices one at a time; the configs of larger M stage one. K from 1 to 65 k-slices (remainders 0-15 of
+# every stage size; K = 136 and 4120 end in a part slice), N picking each width.
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("n", [1024, 4096, 6144, 12288])
 @pytest.mark.parametrize("k", [64, 136, 192, 320, 4160, 4120])
@@ -76,7 +76,7 @@ def test_decode_stages_of_several_k_slices_bitwise(backend, k, n):
     w = cuda_randn(n, k, seed=32, scale=k ** -0.5)
     full = rl_kernels.det_gemm(a, w.t(), out_dtype=torch.float32, backend=backend)
     assert rel_err(full, a.double() @ w.double().t()) <= 1e-5
-    for m in (1, 5, 8, 64, 65, 100, 128):
+    for m in (1, 5, 8, 64, 65, 100, 128, 200):
         assert torch.equal(rl_kernels.det_gemm(a[:m], w.t(), out_dtype=torch.float32, backend=backend), full[:m]), \
             f"{backend} K={k} N={n}: M={m} differs"
         assert torch.equal(rl_kernels.det_gemm(a[300 - m:], w.t(), out_dtype=torch.float32, backend=backend),

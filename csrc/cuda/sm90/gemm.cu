@@ -112,13 +112,15 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
         {CONFIG_NARROW16_X2, CONFIG_NARROW32_X2, CONFIG_NARROW48_X2, CONFIG_NARROW64_X2, CONFIG_NARROW96_X2}};
     if (M <= 128) {
         const int x2 = M > 64;
-        for (int i = 0; i < 5; ++i)
-            if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms) {
+        for (int i = 0; i < 5; ++i) {
+            const int64_t col_tiles = (N + widths[i] - 1) / widths[i];
+            if ((!b_mn || widths[i] == 64) && col_tiles <= num_sms) {
                 /* above 64 rows, one consumer per 64-row tile where the two row tiles still fit in one
                  * wave: twice the SMs stream the weights (the second row tile reads them from L2) */
-                const bool two_row_tiles = x2 && 2 * ((N + widths[i] - 1) / widths[i]) <= num_sms;
+                const bool two_row_tiles = x2 && 2 * col_tiles <= num_sms;
                 return {configs[x2 && !two_row_tiles][i], false, false};
             }
+        }
         return {configs[x2][3], false, false};
     }
     /* up to 256 rows, one-consumer tiles of 16, 32 or 48 columns where all their row tiles fit in one
