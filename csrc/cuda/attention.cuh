@@ -10,7 +10,8 @@
  * tile plan and attention_fwd_kernel) and the forward's entry point (attention_fwd_entry); for the
  * backward, its parameters (BwdParams), the row-statistics kernel that runs first
  * (attention_bwd_prep_kernel), the gradient rows' store (store_acc_rows) and the entry point
- * (attention_bwd_entry; each backend supplies its dK/dV and dQ kernels). The contract is
+ * (attention_bwd_entry) with its one launch of both kinds of CTA (launch_bwd; each backend supplies
+ * attention_bwd_kernel, its dK/dV and dQ CTAs). The contract is
  * csrc/ops/attention.h.
  *
  * The merge and the normalization are the contract's "one shared function per backend": both
@@ -477,6 +478,9 @@ struct BwdParams : CallParams {
     float scale;
     float2 *stats;   /* [batch][heads_q][stats_pitch] {lse * log2(e), sum_d dout * out} */
     int stats_pitch; /* max_q_len rounded up to even: two rows are one 16-byte chunk */
+    /* the backward's one grid (launch_bwd): CTAs 0 .. dkdv_ctas - 1 are dK/dV key tiles (key_tile), the
+     * others dQ row tiles (query_tile); key_tiles / row_tiles per (sequence, head) */
+    int key_tiles, row_tiles, dkdv_ctas;
 };
 
 /* The backward's first kernel, shared by the backends: 8 threads per (b, h, i) row: D = sum_d
@@ -515,23 +519,24 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_kernel(const BwdParams
     }
 }
 
-/* The grid launch_bwd lays out, decoded. A dK/dV CTA (key tile, kv head, sequence) owns keys key0 ..
- * key0 + keys_in - 1 and walks, for each query head of the group in increasing order, the 64-query
- * blocks qb_begin .. qb_begin + qb_count - 1 (counted from the sequence's first query) that can see
- * key0. A dQ CTA (head, row tile counted from the last: the causal tiles with the most keys start
- * first, sequence) owns query rows q0 .. q0 + rows_in - 1. Both false when the CTA has nothing to do. */
+/* The grid launch_bwd lays out, decoded. dK/dV CTA number cta = x + key_tiles (kv_head + heads_kv b)
+ * owns keys key0 = x ROWS .. key0 + keys_in - 1 of (sequence b, kv head) and walks, for each query head
+ * of the group in increasing order, the 64-query blocks qb_begin .. qb_begin + qb_count - 1 (counted
+ * from the sequence's first query) that can see key0. dQ CTA number cta = head + heads_q (y +
+ * row_tiles b) owns query rows q0 .. q0 + rows_in - 1, row tile y counted from the last (the causal
+ * tiles with the most keys start first). Both false when the CTA has nothing to do. */
 struct KeyTile {
     SequenceRange range;
     int b, kv_head, key0, keys_in, qb_begin, qb_count;
 };
 
 template <int ROWS>
-__device__ __forceinline__ bool key_tile(const BwdParams &p, KeyTile &t) {
-    t.b = blockIdx.z;
+__device__ __forceinline__ bool key_tile(const BwdParams &p, int cta, KeyTile &t) {
+    t.b = cta / (p.key_tiles * p.heads_kv);
     if (!load_sequence(p.seq, t.b, t.range)) return false;
     const int q_len = t.range.q_len, k_len = t.range.k_len;
-    t.kv_head = blockIdx.y;
-    t.key0 = blockIdx.x * ROWS;
+    t.kv_head = cta / p.key_tiles % p.heads_kv;
+    t.key0 = cta % p.key_tiles * ROWS;
     if (t.key0 >= k_len) return false;
     t.keys_in = min(ROWS, k_len - t.key0);
     const int first_query = p.causal ? max(0, t.key0 - (k_len - q_len)) : 0;
@@ -548,11 +553,11 @@ struct QueryTile {
 };
 
 template <int ROWS>
-__device__ __forceinline__ bool query_tile(const BwdParams &p, QueryTile &t) {
-    t.b = blockIdx.z;
+__device__ __forceinline__ bool query_tile(const BwdParams &p, int cta, QueryTile &t) {
+    t.b = cta / (p.heads_q * p.row_tiles);
     if (!load_sequence(p.seq, t.b, t.range)) return false;
-    t.head = blockIdx.x;
-    t.q0 = (gridDim.y - 1 - blockIdx.y) * ROWS;
+    t.head = cta % p.heads_q;
+    t.q0 = (p.row_tiles - 1 - cta / p.heads_q % p.row_tiles) * ROWS;
     t.causal = p.causal;
     t.rows_in = min(ROWS, t.range.q_len - t.q0);
     return t.rows_in > 0;
@@ -776,36 +781,30 @@ BwdParams bwd_params(const rlk_attention_args *a) {
     return p;
 }
 
-/* The backward's dK/dV kernel over (key tile, kv head, sequence) and dQ kernel over (head, row tile,
- * sequence): KeyTile / QueryTile above decode it. Tiles is the backend's plan (ROWS keys or query rows
- * per CTA, THREADS, DKDV_SMEM_BYTES, DQ_SMEM_BYTES). */
+/* The backward as one launch: the dK/dV CTAs first, then the dQ CTAs, which need nothing the dK/dV
+ * CTAs write, so they take the SMs that dK/dV's causal tail (the last kv heads' long key tiles)
+ * would leave idle. kernel(p) runs CTA blockIdx.x as key_tile / query_tile decode it. Tiles is the
+ * backend's plan (ROWS keys or query rows per CTA, THREADS, DKDV_SMEM_BYTES, DQ_SMEM_BYTES). */
 template <class Tiles>
-int launch_bwd(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream, void (*dkdv)(BwdParams),
-               void (*dq)(BwdParams)) {
+int launch_bwd(BwdParams p, const rlk_attention_args *a, cudaStream_t stream, void (*kernel)(BwdParams)) {
+    const int64_t key_tiles = (a->max_k_len + Tiles::ROWS - 1) / Tiles::ROWS;
     const int64_t row_tiles = (a->max_q_len + Tiles::ROWS - 1) / Tiles::ROWS;
-    if (row_tiles > 65535) return RLK_UNSUPPORTED;
-    cudaError_t err = cudaSuccess;
-    if (a->max_k_len > 0) {
-        err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DKDV_SMEM_BYTES);
-        if (err != cudaSuccess) return (int)err;
-        dkdv<<<dim3((unsigned)((a->max_k_len + Tiles::ROWS - 1) / Tiles::ROWS), (unsigned)a->heads_kv, (unsigned)a->batch),
-               Tiles::THREADS, Tiles::DKDV_SMEM_BYTES, stream>>>(p);
-        err = cudaGetLastError();
-        if (err != cudaSuccess) return (int)err;
-    }
-    if (row_tiles > 0) {
-        err = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Tiles::DQ_SMEM_BYTES);
-        if (err != cudaSuccess) return (int)err;
-        dq<<<dim3((unsigned)a->heads_q, (unsigned)row_tiles, (unsigned)a->batch), Tiles::THREADS, Tiles::DQ_SMEM_BYTES,
-             stream>>>(p);
-        err = cudaGetLastError();
-    }
-    return (int)err;
+    const int64_t dkdv_ctas = key_tiles * a->heads_kv * a->batch, dq_ctas = row_tiles * a->heads_q * a->batch;
+    if (dkdv_ctas + dq_ctas > INT32_MAX) return RLK_UNSUPPORTED;
+    if (dkdv_ctas + dq_ctas == 0) return RLK_OK;
+    p.key_tiles = (int)key_tiles;
+    p.row_tiles = (int)row_tiles;
+    p.dkdv_ctas = (int)dkdv_ctas;
+    const int smem = Tiles::DKDV_SMEM_BYTES > Tiles::DQ_SMEM_BYTES ? Tiles::DKDV_SMEM_BYTES : Tiles::DQ_SMEM_BYTES;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+    kernel<<<(unsigned)(dkdv_ctas + dq_ctas), Tiles::THREADS, smem, stream>>>(p);
+    return (int)cudaGetLastError();
 }
 
 /* A backend's backward entry point (rlk_attention_bwd_<arch>): the layout check, the kernel's name
  * and, when planning, the row-statistics workspace; then the prep kernel (above) and the backend's
- * Backward<BF16, D>::run (its dK/dV and dQ kernels) for the dtype and head dim. */
+ * Backward<BF16, D>::run (launch_bwd of its attention_bwd_kernel) for the dtype and head dim. */
 template <template <bool, int> class Backward>
 int attention_bwd_entry(const rlk_attention_args *args, rlk_context *ctx, const char *kernel) {
     if (!supported(args, true)) return RLK_UNSUPPORTED;

@@ -52,12 +52,13 @@
  * Backward (deterministic: fixed loops, no atomics):
  *   attention_bwd_prep_kernel (cuda/attention.cuh, shared with sm90): stats[b][h][i] = {lse * log2(e),
  *     D = sum_d dout * out} (fp32).
- *   attention_bwd_dkdv_kernel: a CTA of 4 warps owns 64 keys of one (sequence, kv head), 16 per
+ *   attention_bwd_kernel: one grid (launch_bwd), its dK/dV CTAs first, then its dQ CTAs.
+ *   bwd_dkdv_cta: a CTA of 4 warps owns 64 keys of one (sequence, kv head), 16 per
  *     warp, K and V resident in shared memory; it walks the group's query heads in increasing order
  *     and, per head, the 64-row query blocks that can see its keys in increasing order (Q, dO and
  *     stats through a 2-stage ring), each as two halves of 32: S^T = K Q^T, P^T = exp2(S^T c -
  *     lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled at the end.
- *   attention_bwd_dq_kernel: a CTA of 4 warps owns 64 query rows of one (sequence, head), Q and dO
+ *   bwd_dq_cta: a CTA of 4 warps owns 64 query rows of one (sequence, head), Q and dO
  *     resident; per 64-key block (2-stage ring): S, P, dP = dO V^T, dS, dQ += dS K; scaled at the end.
  *
  * Layout requirements (else RLK_UNSUPPORTED; supported() in cuda/attention.cuh): bf16/fp16, head_dim
@@ -367,7 +368,7 @@ struct BwdTiles {
 };
 
 template <bool BF16, int D>
-__global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dkdv_cta(const BwdParams &p, int cta) {
     using Tiles = BwdTiles<D>;
     constexpr int TILE_BYTES = Tiles::TILE_BYTES, STAGE_BYTES = Tiles::DKDV_STAGE_BYTES;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -375,7 +376,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(cons
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     KeyTile tile;
-    if (!key_tile<BWD_ROWS>(p, tile)) return;
+    if (!key_tile<BWD_ROWS>(p, cta, tile)) return;
     const int b = tile.b, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
     const int q_len = tile.range.q_len, k_len = tile.range.k_len;
     const int qb_begin = tile.qb_begin, qb_count = tile.qb_count, iters = p.group * qb_count;
@@ -496,7 +497,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dkdv_kernel(cons
 }
 
 template <bool BF16, int D>
-__global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dq_cta(const BwdParams &p, int cta) {
     using Tiles = BwdTiles<D>;
     constexpr int TILE_BYTES = Tiles::TILE_BYTES;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -504,7 +505,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     QueryTile tile;
-    if (!query_tile<BWD_ROWS>(p, tile)) return;
+    if (!query_tile<BWD_ROWS>(p, cta, tile)) return;
     const int b = tile.b, head = tile.head, kv_head = head / p.group, q0 = tile.q0, rows_in = tile.rows_in;
     const int k_len = tile.range.k_len;
     const int64_t q_row0 = tile.range.q_start + q0, k_row0 = tile.range.k_start;
@@ -611,6 +612,14 @@ __global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_dq_kernel(const 
                             [&](int h, int j, int e) { return dq[j][2 * h + e]; });
 }
 
+/* The backward's one grid (launch_bwd): dK/dV CTAs, then dQ CTAs. */
+template <bool BF16, int D>
+__global__ void __launch_bounds__(BWD_THREADS, 2) attention_bwd_kernel(const BwdParams p) {
+    const int cta = (int)blockIdx.x;
+    if (cta < p.dkdv_ctas) bwd_dkdv_cta<BF16, D>(p, cta);
+    else bwd_dq_cta<BF16, D>(p, cta - p.dkdv_ctas);
+}
+
 /* ------------------------------------ host -------------------------------------------------- */
 
 template <bool BF16, int D>
@@ -627,7 +636,7 @@ struct Forward {
 template <bool BF16, int D>
 struct Backward {
     static int run(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream) {
-        return launch_bwd<BwdTiles<D>>(p, a, stream, attention_bwd_dkdv_kernel<BF16, D>, attention_bwd_dq_kernel<BF16, D>);
+        return launch_bwd<BwdTiles<D>>(p, a, stream, attention_bwd_kernel<BF16, D>);
     }
 };
 

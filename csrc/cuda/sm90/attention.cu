@@ -54,11 +54,13 @@
  *
  * Backward (deterministic: fixed loops, no atomics; the kernels' own comment, at "backward" below,
  * has the detail): the shared prep kernel (cuda/attention.cuh) writes each row's {lse log2(e), D =
- * sum dout out}; attention_bwd_dkdv_kernel (a CTA owns 128 keys of one (sequence, kv head), K and V
- * resident, the group's query heads and their 64-query blocks streamed in increasing order: S^T,
- * dP^T, dV += P^T dO, dK += dS^T Q) and attention_bwd_dq_kernel (a CTA owns 128 query rows, Q and dO
- * resident, the 64-key blocks streamed in increasing order: S, dP, dQ += dS K), each with two
- * consumer warpgroups and a cp.async producer warpgroup on the forward's ring. Shared memory (d =
+ * sum dout out}; then attention_bwd_kernel, one grid of dK/dV CTAs (bwd_dkdv_cta: a CTA owns 128 keys
+ * of one (sequence, kv head), K and V resident, the group's query heads and their 64-query blocks
+ * streamed in increasing order: S^T, dP^T, dV += P^T dO, dK += dS^T Q) followed by dQ CTAs (bwd_dq_cta:
+ * a CTA owns 128 query rows, Q and dO resident, the 64-key blocks streamed in increasing order: S, dP,
+ * dQ += dS K), each with two consumer warpgroups and a cp.async producer warpgroup on the forward's
+ * ring. The dQ CTAs read nothing the dK/dV CTAs write, so in one grid they fill the SMs that the
+ * dK/dV CTAs' causal tail leaves idle. Shared memory (d =
  * 128): dK/dV 64 KB resident + 3 x 32 KB ring + 2 KB row stats, dQ 64 KB + 3 x 32 KB. Registers:
  * producer 24, consumers 240 (dK/dV peaks at ~230 at d = 128; ptxas serializes the wgmmas below
  * that), no spills.
@@ -689,20 +691,20 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 
 /* ------------------------------------ backward ---------------------------------------------- */
 
-/* Both backward kernels: two consumer warpgroups and a producer warpgroup (setmaxnreg as the forward's),
- * one CTA per SM. Per block and warpgroup the same wgmma shapes as the forward: two m64n64 products
+/* Both kinds of backward CTA (one grid, attention_bwd_kernel): two consumer warpgroups and a producer
+ * warpgroup (setmaxnreg as the forward's), one CTA per SM. Per block and warpgroup the same wgmma shapes as the forward: two m64n64 products
  * over head_dim (issue_scores: S and dP, or S^T and dP^T), each its own commit group, the elementwise
  * P = exp2(S c - lse2) (0 where the query cannot see the key; formed while dP is still running) and
  * dS = P (dP - D) in registers, then one or two m64n{d} products over the block's 64 rows with P or dS
  * rounded to the dtype as the register A operand (issue_pv).
- *   attention_bwd_dkdv_kernel: a CTA owns 128 keys of one (sequence, kv head), 64 per warpgroup, K and V
+ *   bwd_dkdv_cta: a CTA owns 128 keys of one (sequence, kv head), 64 per warpgroup, K and V
  *     resident; the producer streams (Q, dO) of the 64-query blocks that can see them, for each query
  *     head of the group in increasing order and each block in increasing order. Per block: S^T = K Q^T,
  *     dP^T = V dO^T; dV += P^T dO, dK += dS^T Q. Each warpgroup copies the block's row stats (lse2, D)
  *     from global memory into its own two alternating shared buffers behind a named barrier (not
  *     through the ring: compute-sanitizer racecheck does not follow the mbarriers' ordering for plain
  *     loads, and reported ring-carried stats as races).
- *   attention_bwd_dq_kernel: a CTA owns 128 query rows of one (sequence, head), 64 per warpgroup, Q and
+ *   bwd_dq_cta: a CTA owns 128 query rows of one (sequence, head), 64 per warpgroup, Q and
  *     dO resident; the producer streams the K and V blocks its rows see (as the forward's). Per block:
  *     S = Q K^T, dP = dO V^T; dQ += dS K.
  * Each accumulator row is one chain in a fixed order (dK, dV: the group's heads, then the query blocks
@@ -784,7 +786,7 @@ __device__ __forceinline__ void load_resident_tiles(uint32_t x_tile, const rlk_a
 }
 
 template <bool BF16, int D>
-__global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dkdv_cta(const BwdParams &p, int cta) {
     using Tiles = BwdTiles<D>;
     constexpr int STAGES = Tiles::STAGES, ROWS = Tiles::ROWS, TILE_BYTES = Tiles::TILE_BYTES;
     constexpr int STAGE_BYTES = Tiles::DKDV_STAGE_BYTES;
@@ -798,7 +800,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
     KeyTile tile;
-    if (!key_tile<ROWS>(p, tile)) return;
+    if (!key_tile<ROWS>(p, cta, tile)) return;
     const int b = tile.b, kv_head = tile.kv_head, key0 = tile.key0, keys_in = tile.keys_in;
     const int q_len = tile.range.q_len, k_len = tile.range.k_len;
     const int qb_begin = tile.qb_begin, qb_count = __shfl_sync(0xffffffffu, tile.qb_count, 0);
@@ -923,7 +925,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dkdv_ke
 }
 
 template <bool BF16, int D>
-__global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dq_cta(const BwdParams &p, int cta) {
     using Tiles = BwdTiles<D>;
     constexpr int STAGES = Tiles::STAGES, ROWS = Tiles::ROWS, TILE_BYTES = Tiles::TILE_BYTES;
     constexpr int STAGE_BYTES = Tiles::DQ_STAGE_BYTES;
@@ -936,7 +938,7 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
     QueryTile tile;
-    if (!query_tile<ROWS>(p, tile)) return;
+    if (!query_tile<ROWS>(p, cta, tile)) return;
     const int b = tile.b, head = tile.head, kv_head = head / p.group, q0 = tile.q0, rows_in = tile.rows_in;
     const int k_len = tile.range.k_len;
     const int64_t q_row0 = tile.range.q_start + q0, k_row0 = tile.range.k_start;
@@ -1046,6 +1048,14 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_dq_kern
     }
 }
 
+/* The backward's one grid (launch_bwd): dK/dV CTAs, then dQ CTAs. */
+template <bool BF16, int D>
+__global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_kernel(const BwdParams p) {
+    const int cta = (int)blockIdx.x;
+    if (cta < p.dkdv_ctas) bwd_dkdv_cta<BF16, D>(p, cta);
+    else bwd_dq_cta<BF16, D>(p, cta - p.dkdv_ctas);
+}
+
 /* ------------------------------------ host -------------------------------------------------- */
 
 template <bool BF16, int D>
@@ -1067,7 +1077,7 @@ struct Forward {
 template <bool BF16, int D>
 struct Backward {
     static int run(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream) {
-        return launch_bwd<BwdTiles<D>>(p, a, stream, attention_bwd_dkdv_kernel<BF16, D>, attention_bwd_dq_kernel<BF16, D>);
+        return launch_bwd<BwdTiles<D>>(p, a, stream, attention_bwd_kernel<BF16, D>);
     }
 };
 
