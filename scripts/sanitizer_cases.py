@@ -24,6 +24,11 @@ def main():
             rl_kernels.det_gemm(a, w.t().contiguous(), out_dtype=torch.float32, backend=backend)
             rl_kernels.matmul(a.t().contiguous().t(), w.t(), backend=backend)
             rl_kernels.addmm(randn(n), a, w.t(), beta=0.5, backend=backend)
+        # sm90's 192-wide tiles (M = 2100, N = 1024: one wave), bf16 out (3 store rounds a tile) and fp32
+        # out (6), A K-major and MN-major
+        a, w = randn(2100, 128), randn(1024, 128)
+        rl_kernels.det_gemm(a, w.t(), backend=backend)
+        rl_kernels.det_gemm(a.t().contiguous().t(), w.t(), out_dtype=torch.float32, backend=backend)
         # K >= 65536 (sm90 K chains): a tile's chains spread over CTAs (M = 200), and run in turn (M = 1)
         w = randn(300, 65600)
         for m in (200, 1):

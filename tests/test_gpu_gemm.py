@@ -172,6 +172,23 @@ def test_odd_shapes(backend, m, k, n):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, None), (torch.float16, None),
+                                             (torch.bfloat16, torch.float32)])
+def test_wide_tiles_every_layout_and_output_bitwise(backend, dtype, out_dtype):
+    """k / v (4096 -> 1024) at 2049-2816 rows: sm90's 192-wide tiles (the epilogue's 3 or 6 rounds of
+    stores a tile, the last column tile two-thirds past N), A K-major and MN-major, prefixes and
+    suffixes against the rows of a 4096-row call, which runs other tiles."""
+    w = cuda_randn(1024, 4096, dtype=dtype, seed=32, scale=1 / 64)
+    a_k_major = cuda_randn(4096, 4096, dtype=dtype, seed=31)
+    for a in (a_k_major, a_k_major.t().contiguous().t()):
+        full = rl_kernels.det_gemm(a, w.t(), out_dtype=out_dtype, backend=backend)
+        for m in (2555, 2710):
+            assert torch.equal(rl_kernels.det_gemm(a[:m], w.t(), out_dtype=out_dtype, backend=backend), full[:m])
+            assert torch.equal(rl_kernels.det_gemm(a[4096 - m:], w.t(), out_dtype=out_dtype, backend=backend),
+                               full[4096 - m:])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_layouts_and_misaligned_operands(backend):
     a = cuda_randn(300, 1024, seed=8)
     w = cuda_randn(512, 1024, seed=9, scale=1 / 32)

@@ -8,6 +8,9 @@
  *   medium: the same with BN = 128, 6 stages;
  *   tall:   BM = 128 (2 consumers), BN = 64, 8 stages, clusters of 2 with K-major B (else none): twice
  *           the tiles of medium for shapes whose medium tiles leave SMs idle (M = N = 1024);
+ *   wide:   BM = 128 (2 consumers), BN = 192, 4 stages, clusters of 2, K-major B only (half of 192
+ *           MN-major columns is no 64-wide box): one wave where medium needs two and large fills
+ *           two-thirds of the SMs at most (k / v, N = 1024, at M = 2049-2816);
  *   small:  BM = 64 (1 consumer warpgroup), BN = 64, 12 stages, no cluster;
  *   narrow: BM = 64, BN = 96 / 48 / 32 / 16 (stages x k-slices 5 x 2 / 3 x 4 / 4 x 4 / 5 x 4; 16 wide
  *           at M <= 8: 4 x 16 with 8-row A slots), K-major B only;
@@ -20,9 +23,10 @@
  * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64
  * rows, unless two one-consumer row tiles fit), the weights streaming through as many SMs as possible,
  * and so does M <= 256 where a one-consumer narrow config's row tiles all fit in one wave (k / v); other
- * M whichever of the first four a measured ns-per-step estimate finds fastest, in waves of whole
- * tiles or stream-K (gemm_kernel.cuh: every SM an equal share of the k-slices, a tile split between two
- * CTAs continuing one accumulator chain through L2; the workspace is planned, ctx->workspace_bytes).
+ * M whichever of the first five (wide: unchained, K-major B) a measured ns-per-step estimate finds
+ * fastest, in waves of whole tiles or stream-K (gemm_kernel.cuh: every SM an equal share of the
+ * k-slices, a tile split between two CTAs continuing one accumulator chain through L2; the workspace is
+ * planned, ctx->workspace_bytes).
  * From K = 65536 on the kernels' K-chain variants run instead (4 chains summed in order;
  * gemm_kernel.cuh, "K chains").
  *
@@ -42,18 +46,24 @@
 
 /* The tile configs. All of them compute every output element with the same k16 wgmma sequence, so the
  * choice among them is a performance choice only (bitwise-equal rows are tested across them). */
-enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_TALL, CONFIG_NARROW96, CONFIG_NARROW48, CONFIG_NARROW32,
-       CONFIG_NARROW16, CONFIG_NARROW96_X2, CONFIG_NARROW64_X2, CONFIG_NARROW48_X2, CONFIG_NARROW32_X2,
-       CONFIG_NARROW16_X2 };
-static const int config_bn[CONFIG_NARROW16_X2 + 1] = {256, 128, 64, 64, 96, 48, 32, 16, 96, 64, 48, 32, 16};
-static const int config_consumers[CONFIG_NARROW16_X2 + 1] = {2, 2, 1, 2, 1, 1, 1, 1, 2, 2, 2, 2, 2};
-/* clusters of 2 share B by multicast: large, medium, and tall with K-major B (launch_config) */
+enum { CONFIG_LARGE, CONFIG_MEDIUM, CONFIG_SMALL, CONFIG_TALL, CONFIG_WIDE, CONFIG_NARROW96, CONFIG_NARROW48,
+       CONFIG_NARROW32, CONFIG_NARROW16, CONFIG_NARROW96_X2, CONFIG_NARROW64_X2, CONFIG_NARROW48_X2,
+       CONFIG_NARROW32_X2, CONFIG_NARROW16_X2 };
+static const int config_bn[CONFIG_NARROW16_X2 + 1] = {256, 128, 64, 64, 192, 96, 48, 32, 16, 96, 64, 48, 32, 16};
+static const int config_consumers[CONFIG_NARROW16_X2 + 1] = {2, 2, 1, 2, 2, 1, 1, 1, 1, 2, 2, 2, 2, 2};
+/* clusters of 2 share B by multicast: large, medium, wide, and tall with K-major B (launch_config) */
 static int config_cluster(int config, bool b_mn) {
-    return config == CONFIG_LARGE || config == CONFIG_MEDIUM || (config == CONFIG_TALL && !b_mn) ? 2 : 1;
+    return config == CONFIG_LARGE || config == CONFIG_MEDIUM || config == CONFIG_WIDE ||
+                   (config == CONFIG_TALL && !b_mn)
+               ? 2
+               : 1;
 }
 /* ns per k16 step of a wave of tiles, measured on the H100 (bench_gemm_layer, median over the Qwen3-8B
- * layer shapes; docs/perf-notes.md "Layer GEMMs at ragged token counts"). */
-static const int config_step_ns[CONFIG_TALL + 1] = {197, 126, 74, 106};
+ * layer shapes; docs/perf-notes.md "Layer GEMMs at ragged token counts"). wide measured 135-160 but is
+ * charged 177: at the measured figure it displaced large + stream-K at K = 12288 (M = 1334, 1362),
+ * where it ran 4% slower, because stream-K's charge (fitted at K = 4096) is too high at long K; 177
+ * keeps every pick of the layer's shapes on the measured winner (perf-notes: "A 192-wide tile"). */
+static const int config_step_ns[CONFIG_WIDE + 1] = {197, 126, 74, 106, 177};
 /* Stream-K's cost beyond its share of the k-slices, in waves of whole tiles: fitted to the H100
  * (docs/perf-notes.md, "Stream-K"): with G + r items shared out it measured ~0.2-0.5 of a wave above
  * (tiles / SMs) waves (partials through L2, the clusters no longer in step through k, waits), plus
@@ -90,7 +100,7 @@ typedef struct gemm_plan {
  * (perf-notes), so the more SMs own tiles the better: the width whose tiles come closest to filling one
  * wave wins: 16, 32, 48, 64 or 96 columns (all but 64 need K-major B: an MN-major B box is 64 columns
  * wide); with more columns than 96 x SMs, 64 (several waves). Otherwise the fewest estimated ns among
- * the first four, each either in waves of whole tiles (the last wave partly empty) or, with scratch
+ * the first five (wide for unchained shapes with K-major B), each either in waves of whole tiles (the last wave partly empty) or, with scratch
  * memory and at least a wave of tiles, stream-K (an equal share of the k-slices per SM, plus its
  * overhead). A chained shape (K chains, below) takes the 64-wide configs up to 128 rows, and in place of
  * stream-K may run its last, partly empty round by chains. */
@@ -131,7 +141,8 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
     }
     gemm_plan best = {CONFIG_LARGE, false, false};
     double best_ns = INFINITY;
-    for (int c = 0; c <= CONFIG_TALL; ++c) {
+    for (int c = 0; c <= CONFIG_WIDE; ++c) {
+        if (c == CONFIG_WIDE && (b_mn || chains > 1)) continue;  /* K-major B, unchained (launch_config) */
         const int bm = 64 * config_consumers[c];
         const int64_t tiles = ((M + bm - 1) / bm) * ((N + config_bn[c] - 1) / config_bn[c]);
         const double waves_ns = (double)((tiles + num_sms - 1) / num_sms) * steps * config_step_ns[c];
@@ -168,6 +179,8 @@ static int launch_config(int config, const rlk_gemm_args *args, const gemm_sm90_
     if (config == CONFIG_NARROW64_X2)
         return launch_gemm_sm90<64, 2, 64, 8, 1, 1, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
     if constexpr (!B_MN && !Tiles::K_CHAINS) {
+        if (config == CONFIG_WIDE)
+            return launch_gemm_sm90<192, 2, 64, 4, 1, 2, A_MN, B_MN, BF16, Tiles>(args, p, ep, device, num_sms, stream);
         /* up to 8 rows, 16 columns: 8-row A slots (issue_k_slices) make room for stages of 16 k-slices */
         if constexpr (!A_MN) {
             if (config == CONFIG_NARROW16 && args->M <= 8)

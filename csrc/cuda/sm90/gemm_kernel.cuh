@@ -220,21 +220,24 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row0, i
  * of row r at chunk q ^ (r % 8): a warp's 8 rows x 16 bytes hit all 32 banks once), and one thread issues
  * a TMA store of the box, which clips the M/N tails. The consumers then return to the next tile's wgmmas
  * while the copy engine writes global memory; a buffer is rewritten only after the store issued two rounds
- * earlier has finished reading it (tiles with an even number of rounds start at buffer 0; with one round,
- * every tile uses buffer 0 after the previous tile's store). Same rounding as store_tile. */
+ * earlier has finished reading it (every tile starts at buffer 0: after an even number of rounds the
+ * previous tile's last store read buffer 1; after an odd number, buffer 0, so the first round waits for
+ * every store). Same rounding as store_tile. */
 template <int BN, typename OutT>
 __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row0, int col0,
                                                const CUtensorMap *map_out, uint32_t epi_smem, uint32_t barrier_id) {
     constexpr int ROUND_COLS = 128 / (int)sizeof(OutT);
     constexpr int ROUNDS = BN / ROUND_COLS;
-    constexpr int PENDING = ROUNDS % 2 == 0 ? 1 : 0;  /* stores that may still read the other buffer */
-    static_assert(ROUNDS % 2 == 0 || ROUNDS == 1, "buffer parity must restart with each tile");
+
     const int t = threadIdx.x % 128, lane = t % 32;
     const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h; tile_row % 8 == lane / 4 */
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
         const uint32_t buf = epi_smem + (r % 2) * EPI_BOX_BYTES;
-        if (t == 0) bulk_wait_read<PENDING>();
+        if (t == 0) {  /* stores that may still read the other buffer */
+            if (r == 0 && ROUNDS % 2 == 1) bulk_wait_read<0>();
+            else bulk_wait_read<1>();
+        }
         warpgroup_sync(barrier_id);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
