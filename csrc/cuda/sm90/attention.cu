@@ -60,10 +60,9 @@
  * a CTA owns 128 query rows, Q and dO resident, the 64-key blocks streamed in increasing order: S, dP,
  * dQ += dS K), each with two consumer warpgroups and a cp.async producer warpgroup on the forward's
  * ring. The dQ CTAs read nothing the dK/dV CTAs write, so in one grid they fill the SMs that the
- * dK/dV CTAs' causal tail leaves idle. Shared memory (d =
- * 128): dK/dV 64 KB resident + 3 x 32 KB ring + 2 KB row stats, dQ 64 KB + 3 x 32 KB. Registers:
- * producer 24, consumers 240 (dK/dV peaks at ~230 at d = 128; ptxas serializes the wgmmas below
- * that), no spills.
+ * dK/dV CTAs' causal tail leaves idle. Shared memory (d = 128): dK/dV 64 KB resident + 3 x 32 KB ring
+ * + 2 KB row stats, dQ 64 KB + 3 x 32 KB. Registers: producer 24, consumers 240 (dK/dV peaks at ~230
+ * at d = 128; ptxas serializes the wgmmas below that), no spills.
  * Why the two schedules give the same bits for a row:
  *   - the block update (block_scores, block_operands, then issue_pv), the segment merge
  *     (merge_segment) and the normalization (finalize_row; all in cuda/attention.cuh, the sm80
@@ -692,8 +691,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 /* ------------------------------------ backward ---------------------------------------------- */
 
 /* Both kinds of backward CTA (one grid, attention_bwd_kernel): two consumer warpgroups and a producer
- * warpgroup (setmaxnreg as the forward's), one CTA per SM. Per block and warpgroup the same wgmma shapes as the forward: two m64n64 products
- * over head_dim (issue_scores: S and dP, or S^T and dP^T), each its own commit group, the elementwise
+ * warpgroup (setmaxnreg as the forward's), one CTA per SM. Per block and warpgroup the same wgmma
+ * shapes as the forward: two m64n64 products over head_dim (issue_scores: S and dP, or S^T and dP^T),
+ * each its own commit group, the elementwise
  * P = exp2(S c - lse2) (0 where the query cannot see the key; formed while dP is still running) and
  * dS = P (dP - D) in registers, then one or two m64n{d} products over the block's 64 rows with P or dS
  * rounded to the dtype as the register A operand (issue_pv).

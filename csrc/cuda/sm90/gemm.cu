@@ -100,9 +100,9 @@ typedef struct gemm_plan {
  * (perf-notes), so the more SMs own tiles the better: the width whose tiles come closest to filling one
  * wave wins: 16, 32, 48, 64 or 96 columns (all but 64 need K-major B: an MN-major B box is 64 columns
  * wide); with more columns than 96 x SMs, 64 (several waves). Otherwise the fewest estimated ns among
- * the first five (wide for unchained shapes with K-major B), each either in waves of whole tiles (the last wave partly empty) or, with scratch
- * memory and at least a wave of tiles, stream-K (an equal share of the k-slices per SM, plus its
- * overhead). A chained shape (K chains, below) takes the 64-wide configs up to 128 rows, and in place of
+ * the first five (wide for unchained shapes with K-major B), each either in waves of whole tiles (the
+ * last wave partly empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal
+ * share of the k-slices per SM, plus its overhead). A chained shape (K chains, below) takes the 64-wide configs up to 128 rows, and in place of
  * stream-K may run its last, partly empty round by chains. */
 static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool has_workspace, int num_sms) {
     const int chains = k_chains(K);
