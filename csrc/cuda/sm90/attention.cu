@@ -633,8 +633,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 wgmma_wait<0>();
                 fence_registers();
                 release(nb);
-                merge_ended(seg);
-                t = nb + 1;
+                t = nb + 1; /* prefill: the last segment merges in the epilogue, below */
             } else if constexpr (SPLIT) {
 #pragma unroll
                 for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f; /* the record of a segment it cannot see */
@@ -664,12 +663,17 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                     for (int j = 0; j < D / 8; ++j)
                         *(float2 *)(rec + 4 + j * 8 + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
                 } else {
-                    float o_row[D / 4], y[D / 4], lse;
+                    /* the last segment merged as merge_ended would, but into registers that go straight
+                     * to the normalization: no store of o_state and no second load */
+                    float o_row[D / 4], acc_row[D / 4], y[D / 4], lse;
 #pragma unroll
                     for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e)
+                        for (int e = 0; e < 2; ++e) {
                             o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                            acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
+                        }
+                    if (nb > 0) merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
                     finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
                     const int64_t q_row = cta.range.q_start + i;
                     uint16_t *dst = (uint16_t *)row_address(p.out, cta.b, q_row, head) + col;
