@@ -102,8 +102,9 @@ typedef struct gemm_plan {
  * wide); with more columns than 96 x SMs, 64 (several waves). Otherwise the fewest estimated ns among
  * the first five (wide for unchained shapes with K-major B), each either in waves of whole tiles (the
  * last wave partly empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal
- * share of the k-slices per SM, plus its overhead). A chained shape (K chains, below) takes the 64-wide configs up to 128 rows, and in place of
- * stream-K may run its last, partly empty round by chains. */
+ * share of the k-slices per SM, plus its overhead). A chained shape (K chains, below) takes the
+ * 64-wide configs up to 128 rows, and in place of stream-K may run its last, partly empty round by
+ * chains. */
 static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool has_workspace, int num_sms) {
     const int chains = k_chains(K);
     const double steps = (double)((K + 63) / 64 * 4);

@@ -228,7 +228,6 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row
                                                const CUtensorMap *map_out, uint32_t epi_smem, uint32_t barrier_id) {
     constexpr int ROUND_COLS = 128 / (int)sizeof(OutT);
     constexpr int ROUNDS = BN / ROUND_COLS;
-
     const int t = threadIdx.x % 128, lane = t % 32;
     const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h; tile_row % 8 == lane / 4 */
 #pragma unroll
