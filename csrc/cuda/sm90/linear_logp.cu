@@ -124,11 +124,13 @@ __device__ __forceinline__ void load_bias_log2(float (&bias_log2)[BN / 8][2], in
 }
 
 /* Folds one consumer warpgroup's 64 x BN logits tile d (columns col0 ..) into the row states: each
- * thread scales its BN/4 values of a row (x = acc * scale_log2 + bias * scale_log2, -inf past V), the
- * quad forms the tile's state (quad_tile_state), and it is merged into the running one. */
-template <int BN>
-__device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], const float (&bias_log2)[BN / 8][2],
-                                                 int col0, logp_row_states &st, const logp_sm90_params &lp) {
+ * thread scales its BN/4 values of a row (x = acc * scale_log2 + bias_log2(j, e): the bias in log2 units,
+ * -inf past V), the quad forms the tile's state (quad_tile_state), and it is merged into the running
+ * one. Only a thread whose row's target is one of its columns here looks for it (a branch taken in few
+ * tiles: a compare and select per value in every tile cost ~200 instructions a tile). */
+template <int BN, class BiasLog2>
+__device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], const BiasLog2 &bias_log2, int col0,
+                                                 logp_row_states &st, const logp_sm90_params &lp) {
     const int col_lane = col0 + 2 * (threadIdx.x % 4);  /* column of d[0] */
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -136,16 +138,18 @@ __device__ __forceinline__ void fold_logits_tile(const float (&d)[BN / 2], const
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) x[j][e] = fmaf(d[4 * j + 2 * h + e], lp.scale_log2, bias_log2[j][e]);
+            for (int e = 0; e < 2; ++e) x[j][e] = fmaf(d[4 * j + 2 * h + e], lp.scale_log2, bias_log2(j, e));
         float tile_max, l, S;
         quad_tile_state(x, tile_max, l, S);
         softmax_state_merge(st.m[h], st.l[h], st.S[h], tile_max, l, S);
-        const int target_offset = st.target_col[h] - col_lane;
+        const int target_offset = st.target_col[h] - col_lane;  /* the lane's columns: 8 j + e, e < 2 */
+        if (target_offset >= 0 && target_offset < BN && (target_offset & 6) == 0) {
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+            for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (target_offset == 8 * j + e) st.x_target[h] = x[j][e];
+                for (int e = 0; e < 2; ++e)
+                    if (target_offset == 8 * j + e) st.x_target[h] = x[j][e];
+        }
     }
 }
 
@@ -184,9 +188,15 @@ struct logp_fold {
     template <int TILE_BN, bool BF16, bool TMA_STORE>
     static __device__ __forceinline__ void tile(float (&d)[TILE_BN / 2], logp_row_states &st, int, int col0,
                                                 const gemm_sm90_params &p, const logp_sm90_params &lp, const tile_store &) {
-        float bias_log2[TILE_BN / 8][2];
-        load_bias_log2<TILE_BN, BF16>(bias_log2, col0, p, lp);
-        fold_logits_tile<TILE_BN>(d, bias_log2, col0, st, lp);
+        /* no bias and no column past V (every tile but a vocabulary's last, when the head has no bias):
+         * the addend is the +0 that the general path computes there, without its loads and column tests */
+        if (lp.bias == nullptr && col0 + TILE_BN <= p.N) {
+            fold_logits_tile<TILE_BN>(d, [](int, int) { return 0.f; }, col0, st, lp);
+        } else {
+            float bias_log2[TILE_BN / 8][2];
+            load_bias_log2<TILE_BN, BF16>(bias_log2, col0, p, lp);
+            fold_logits_tile<TILE_BN>(d, [&](int j, int e) { return bias_log2[j][e]; }, col0, st, lp);
+        }
     }
     static __device__ __forceinline__ void end(logp_row_states &st, int row0, int split, const gemm_sm90_params &p,
                                                const logp_sm90_params &lp) {
@@ -218,7 +228,8 @@ static rlk_gemm_args product_args(const void *hidden, int64_t ldh, const void *w
 /* 128 x 192 tiles, 2-CTA clusters, 5 stages: the fresh k-slice chains need a second set of accumulator
  * registers, which the 128 x 256 config cannot afford; at 192 both sets (2 x 96) fit under the consumers'
  * setmaxnreg 232, and a wider tile needs less shared-memory bandwidth per FLOP than 128 x 128
- * (docs/perf-notes.md, "linear_logp forward on SM90"). ptxas spills ~45 values around the fold, after the k loop.
+ * (docs/perf-notes.md, "linear_logp forward on SM90"). ptxas spills ~40 values around the fold with a bias or
+ * columns past V, after the k loop; the fold without them (fold_logits_tile's common case) spills none.
  * 4 tiles per vocabulary split. */
 extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_context *ctx) {
     const bool bf16 = args->dtype == RLK_BF16;
