@@ -473,10 +473,10 @@ __global__ void linear_logp_dz_kernel(rlk_linear_logp_dlogits_args a) {
         const int64_t t = a.target[r];
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (t != a.ignore_index) {
-            const float g_logp = a.grad_logp != nullptr ? a.grad_logp[r] : 0.0f;
-            const float g_ent = a.grad_entropy != nullptr ? a.grad_entropy[r] : 0.0f;
-            const float lse = a.lse[r];
-            const float ent = a.entropy != nullptr ? a.entropy[r] : 0.0f;
+            const dlogit_row row = make_dlogit_row(a.inv_temperature, a.lse[r],
+                                                   a.entropy != nullptr ? a.entropy[r] : 0.0f,
+                                                   a.grad_logp != nullptr ? a.grad_logp[r] : 0.0f,
+                                                   a.grad_entropy != nullptr ? a.grad_entropy[r] : 0.0f);
             const int64_t t_rel = t - a.v0 - c0;
             float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (VEC && n_cols == 4) {
@@ -489,7 +489,7 @@ __global__ void linear_logp_dz_kernel(rlk_linear_logp_dlogits_args a) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 if (bias != nullptr && j < n_cols) z[j] = __fadd_rn(z[j], to_f32(bias[c0 + j]));
-                d[j] = dlogit_value(z[j], a.inv_temperature, lse, ent, g_logp, g_ent, t_rel == j);
+                d[j] = dlogit_value(row, z[j], t_rel == j);
             }
         }
         if (VEC && n_cols == 4) {

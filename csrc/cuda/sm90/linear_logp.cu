@@ -54,21 +54,18 @@ struct dlogits_value {
      * stream-K path is compiled as the GEMM's but never taken (p.stream_k stays 0): without it ptxas
      * spilled 20 bytes in the fp16 kernel. */
     static constexpr bool PAIR_TAIL = false, STREAM_K = true;
-    float inv_temperature;
-    float lse[2], entropy[2], grad_logp[2], grad_entropy[2];
+    dlogit_row row[2];
     int target_col[2];  /* the target's column in this chunk, or -1 */
     bool active[2];
     __device__ __forceinline__ float operator()(float acc, float c, bool has_c, int h, int col) const {
         const float z = has_c ? __fadd_rn(acc, c) : acc;
         /* computed for every row and then selected: a branch per element kept the exps from overlapping */
-        const float dz =
-            dlogit_value(z, inv_temperature, lse[h], entropy[h], grad_logp[h], grad_entropy[h], col == target_col[h]);
+        const float dz = dlogit_value(row[h], z, col == target_col[h]);
         return active[h] ? dz : 0.f;
     }
     static __device__ __forceinline__ dlogits_value make(int row0, const gemm_sm90_params &p,
                                                          const logp_sm90_params &lp) {
         dlogits_value e;
-        e.inv_temperature = lp.inv_temperature;
         const int t = threadIdx.x % 128;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -76,10 +73,10 @@ struct dlogits_value {
             const int64_t target = row < p.M ? lp.target[row] : lp.ignore_index;
             e.active[h] = target != lp.ignore_index;
             e.target_col[h] = (target >= lp.v0 && target < lp.v0 + p.N) ? (int)(target - lp.v0) : -1;
-            e.lse[h] = e.active[h] ? lp.lse[row] : 0.f;
-            e.entropy[h] = e.active[h] && lp.entropy ? lp.entropy[row] : 0.f;
-            e.grad_logp[h] = e.active[h] && lp.grad_logp ? lp.grad_logp[row] : 0.f;
-            e.grad_entropy[h] = e.active[h] && lp.grad_entropy ? lp.grad_entropy[row] : 0.f;
+            e.row[h] = make_dlogit_row(lp.inv_temperature, e.active[h] ? lp.lse[row] : 0.f,
+                                       e.active[h] && lp.entropy ? lp.entropy[row] : 0.f,
+                                       e.active[h] && lp.grad_logp ? lp.grad_logp[row] : 0.f,
+                                       e.active[h] && lp.grad_entropy ? lp.grad_entropy[row] : 0.f);
         }
         return e;
     }
