@@ -34,6 +34,25 @@ def problem(n, d, v, seed=0, bias=False):
     return h, w, b, t
 
 
+def autograd_grads(h, w, b, t, g_logp, g_ent, fn):
+    """(d hidden, d weight, d bias) of logp . g_logp + entropy . g_ent through fn (linear_logp's API)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (h, w, b)]
+    logp, ent = fn(leaves[0], leaves[1], t, leaves[2], return_entropy=True)
+    torch.autograd.backward((logp, ent), (g_logp.to(logp.dtype), g_ent.to(ent.dtype)))
+    return [x.grad for x in leaves]
+
+
+def check_backward_vs_fp64_and_deterministic(h, w, b, t, g_logp, g_ent, backend):
+    ours = functools.partial(rl_kernels.linear_logp, backend=backend)
+    got = autograd_grads(h, w, b, t, g_logp, g_ent, ours)
+    want = autograd_grads(h.double(), w.double(), b.double(), t, g_logp, g_ent,
+                          rl_kernels.NativeLinearLogpOp(torch.float64))
+    for name, x, ref in zip(("hidden", "weight", "bias"), got, want):
+        assert rel_err(x, ref) <= 1.5e-2, name
+    for x, y in zip(got, autograd_grads(h, w, b, t, g_logp, g_ent, ours)):
+        assert torch.equal(x, y)
+
+
 def fp64_reference(h, w, t, b=None, temperature=1.0, rows=None):
     rows = slice(None) if rows is None else rows
     return rl_kernels.NativeLinearLogpOp(torch.float64)(
@@ -117,21 +136,7 @@ def test_backward_vs_fp64_and_deterministic(backend):
     t[7] = -100
     g_logp = cuda_randn(300, dtype=torch.float32, seed=31)
     g_ent = cuda_randn(300, dtype=torch.float32, seed=32)
-
-    def grads(hh, ww, bb, fn):
-        leaves = [x.detach().clone().requires_grad_() for x in (hh, ww, bb)]
-        logp, ent = fn(leaves[0], leaves[1], t, leaves[2], return_entropy=True)
-        torch.autograd.backward((logp, ent), (g_logp.to(logp.dtype), g_ent.to(ent.dtype)))
-        return [x.grad for x in leaves]
-
-    ours = functools.partial(rl_kernels.linear_logp, backend=backend)
-    got = grads(h, w, b, ours)
-    want = grads(h.double(), w.double(), b.double(), rl_kernels.NativeLinearLogpOp(torch.float64))
-    for name, x, ref in zip(("hidden", "weight", "bias"), got, want):
-        assert rel_err(x, ref) <= 1.5e-2, name
-    again = grads(h, w, b, ours)
-    for x, y in zip(got, again):
-        assert torch.equal(x, y)
+    check_backward_vs_fp64_and_deterministic(h, w, b, t, g_logp, g_ent, backend)
 
 
 @pytest.mark.skipif(not (HAS_CUDA and kernel_registry.backend_status("gemm", "sm90")[0]),
@@ -180,9 +185,13 @@ def test_fused_dlogits_equal_gemm_then_dlogits(rows, cols, bias, dtype):
     assert rel_err(fused, ref) <= 1e-2
 
 
-def test_grad_hidden_rows_invariant():
-    h, w, _, t = problem(1000, 512, 20000, seed=40)
-    g = cuda_randn(1000, dtype=torch.float32, seed=41)
+@pytest.mark.parametrize("n,d,v", [(1000, 512, 20000),
+                                   # dH at 1024 rows, D = 5120 is 160 tiles of 128 x 256: sm90 runs it
+                                   # stream-K (the backward gives its GEMMs scratch memory); 17 rows in waves
+                                   (1024, 5120, 16484)])
+def test_grad_hidden_rows_invariant(n, d, v):
+    h, w, _, t = problem(n, d, v, seed=40)
+    g = cuda_randn(n, dtype=torch.float32, seed=41)
 
     def grad_hidden(rows):
         x = h[rows].clone().requires_grad_()
@@ -190,9 +199,21 @@ def test_grad_hidden_rows_invariant():
         (grad,) = torch.autograd.grad(logp, x, g[rows])
         return grad
 
-    full = grad_hidden(slice(0, 1000))
+    full = grad_hidden(slice(0, n))
     for rows in (slice(0, 1), slice(0, 17), slice(500, 629)):
         assert torch.equal(grad_hidden(rows), full[rows])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_backward_with_one_block_of_65600_rows(backend):
+    """A small head (D = 64, V = 96) puts all 65,600 rows in one block of the backward, so dW and db
+    are GEMMs over K = 65,600 rows: on sm90 the K-chained GEMMs, which fail without the scratch
+    memory that the backward plans for them. Gradients vs fp64 with random cotangents, twice."""
+    n, d, v = 65600, 64, 96
+    h, w, b, t = problem(n, d, v, seed=80, bias=True)
+    g_logp = cuda_randn(n, dtype=torch.float32, seed=81)
+    g_ent = cuda_randn(n, dtype=torch.float32, seed=82)
+    check_backward_vs_fp64_and_deterministic(h, w, b, t, g_logp, g_ent, backend)
 
 
 @pytest.mark.parametrize("n", [4096, 16384])

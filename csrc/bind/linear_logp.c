@@ -278,15 +278,65 @@ PyObject *py_linear_logp_dlogits(PyObject *self, PyObject *args) {
 /* scratch memory (fp32 dH, dz, fp32 logits where dz is not fused) fits max_workspace_bytes.      */
 /* ------------------------------------------------------------------------------------------- */
 
-/* The GEMM out = alpha * A @ B + beta * C on the backend's GEMM kernels. */
-static int run_gemm(int backend, const tensor_arg *ref, rlk_context *ctx, int64_t M, int64_t N, int64_t K,
-                    rlk_dtype in_dtype, const void *a, int64_t lda, int a_trans, const void *b, int64_t ldb,
-                    int b_trans, rlk_dtype out_dtype, void *out, int64_t ldo, const void *c) {
+/* The GEMM out = A @ B (+ C) on the backend's GEMM kernels, with scratch memory `workspace` (NULL, or
+ * at least what the plan asks for). With ctx->plan_only it runs nothing and raises
+ * ctx->workspace_bytes to the scratch memory this GEMM needs, if that is more. */
+static int run_gemm(int backend, const tensor_arg *ref, rlk_context *ctx, void *workspace, int64_t M, int64_t N,
+                    int64_t K, rlk_dtype in_dtype, const void *a, int64_t lda, int a_trans, const void *b,
+                    int64_t ldb, int b_trans, rlk_dtype out_dtype, void *out, int64_t ldo, const void *c) {
     const rlk_gemm_args g = {.M = M, .N = N, .K = K, .in_dtype = in_dtype, .out_dtype = out_dtype,
                              .a = a, .lda = lda, .a_trans = a_trans, .b = b, .ldb = ldb, .b_trans = b_trans,
                              .c = c, .ldc = c == out ? ldo : 0, .out = out, .ldo = ldo,
-                             .alpha = 1.0, .beta = c != NULL ? 1.0 : 0.0};
-    return rlk_run("gemm", backend, ref, call_gemm, &g, ctx, NULL);
+                             .alpha = 1.0, .beta = c != NULL ? 1.0 : 0.0, .workspace = workspace};
+    const int64_t planned = ctx->workspace_bytes;
+    const int status = rlk_run("gemm", backend, ref, call_gemm, &g, ctx, NULL);
+    if (ctx->plan_only && ctx->workspace_bytes < planned) ctx->workspace_bytes = planned;
+    return status;
+}
+
+/* One vocabulary chunk's GEMMs after its dz, for a block of rows: dH (+)= dz @ W_chunk (fp32, in the
+ * workspace), dW_chunk (+)= dz^T @ H_rows, db_chunk += 1^T dz. */
+typedef struct chunk_gemms {
+    int64_t rows, cols, D;
+    rlk_dtype dtype;
+    const void *dz;                   /* [rows, cols] */
+    const void *w_chunk, *h_rows;     /* weight [cols, D], hidden [rows, D] (row strides ldw, ldh) */
+    int64_t ldw, ldh;
+    float *dh;                        /* [rows, D] fp32; accumulated into after the first chunk */
+    void *dw;                         /* grad_weight [cols, D] (row stride ld_dw); accumulated from the second block */
+    int64_t ld_dw;
+    float *db;                        /* grad_bias [cols] fp32, or NULL */
+    const void *ones;                 /* [rows] of 1, with db */
+    int first_chunk, first_block;
+} chunk_gemms;
+
+static int run_chunk_gemms(int backend, const tensor_arg *ref, rlk_context *ctx, void *workspace,
+                           const chunk_gemms *c) {
+    int status = run_gemm(backend, ref, ctx, workspace, c->rows, c->D, c->cols, c->dtype, c->dz, c->cols, 0,
+                          c->w_chunk, c->ldw, 0, RLK_F32, c->dh, c->D, c->first_chunk ? NULL : c->dh);
+    if (status == RLK_OK)
+        status = run_gemm(backend, ref, ctx, workspace, c->cols, c->D, c->rows, c->dtype, c->dz, c->cols, 1,
+                          c->h_rows, c->ldh, 0, c->dtype, c->dw, c->ld_dw, c->first_block ? NULL : c->dw);
+    if (status == RLK_OK && c->db != NULL)
+        status = run_gemm(backend, ref, ctx, workspace, 1, c->cols, c->rows, c->dtype, c->ones, c->rows, 0, c->dz,
+                          c->cols, 0, RLK_F32, c->db, c->cols, c->db);
+    return status;
+}
+
+/* The chunk GEMMs of the block of rows from r0 and the vocabulary chunk from v0. */
+static chunk_gemms chunk_gemms_at(const rlk_linear_logp_args *p, int64_t block, int64_t chunk, int64_t r0,
+                                  int64_t v0, const void *dz, float *dh, const tensor_arg *grad_weight,
+                                  const tensor_arg *grad_bias, const tensor_arg *ones) {
+    const int64_t elem = (int64_t)rlk_dtype_size(p->dtype), ld_dw = rlk_row_stride(grad_weight);
+    const int64_t cols = p->V - v0 < chunk ? p->V - v0 : chunk;
+    const chunk_gemms c = {.rows = p->N - r0 < block ? p->N - r0 : block, .cols = cols, .D = p->D,
+                           .dtype = p->dtype, .dz = dz, .w_chunk = (const char *)p->weight + v0 * p->ldw * elem,
+                           .h_rows = (const char *)p->hidden + r0 * p->ldh * elem, .ldw = p->ldw, .ldh = p->ldh,
+                           .dh = dh, .dw = (char *)grad_weight->data + v0 * ld_dw * elem, .ld_dw = ld_dw,
+                           .db = grad_bias->present ? (float *)grad_bias->data + v0 : NULL,
+                           .ones = ones->present ? (const char *)ones->data + r0 * elem : NULL,
+                           .first_chunk = v0 == 0, .first_block = r0 == 0};
+    return c;
 }
 
 /* Bytes rounded up so that the next buffer carved from the workspace stays 256-byte aligned. */
@@ -334,7 +384,7 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "vocab_chunk, max_workspace_bytes: must be >= 1");
         ok = 0;
     }
-    PyObject *workspace = NULL, *copies[2] = {NULL, NULL};
+    PyObject *workspace = NULL, *gemm_workspace = NULL, *copies[2] = {NULL, NULL};
     rlk_context ctx = rlk_context_for(backend, stream);
     ok = ok && (p.N == 0 || align_operands(&t[HIDDEN], &t[WEIGHT], &p, &ctx, copies) == 0);
     if (ok && p.N > 0) {
@@ -368,13 +418,37 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
         void *dz = ws.data + dh_bytes;
         float *logits = fused ? NULL : (float *)(ws.data + dh_bytes + dz_bytes);
         tensor_arg_release(&ws);
-        const int64_t ld_grad_weight = rlk_row_stride(&t[GRAD_WEIGHT]);
+        /* the GEMMs' scratch memory (sm90: stream-K where whole tiles would leave a wave partly empty, and
+         * the K chains' running sums from K = 65536 on), planned for the first and last block and chunk:
+         * the plans depend on the GEMMs' shapes only, and every other block and chunk has the first's */
         int status = ok ? RLK_OK : RLK_PYTHON_ERROR;
+        ctx.plan_only = 1;
+        ctx.workspace_bytes = 0;
+        const int64_t last_r0 = (N - 1) / block * block, last_v0 = (V - 1) / chunk * chunk;
+        for (int i = 0; i < 4 && status == RLK_OK; i++) {
+            const chunk_gemms c = chunk_gemms_at(&p, block, chunk, i % 2 ? last_r0 : 0, i / 2 ? last_v0 : 0, dz, dh,
+                                                 &t[GRAD_WEIGHT], &t[GRAD_BIAS], &t[ONES]);
+            status = run_chunk_gemms(backend, &t[HIDDEN], &ctx, NULL, &c);
+            if (status == RLK_OK && !fused)
+                status = run_gemm(backend, &t[HIDDEN], &ctx, NULL, c.rows, c.cols, D, dtype, c.h_rows, p.ldh, 0,
+                                  c.w_chunk, p.ldw, 1, RLK_F32, logits, c.cols, NULL);
+        }
+        ctx.plan_only = 0;
+        const int64_t gemm_floats = (ctx.workspace_bytes + 3) / 4;
+        void *gemm_ws = NULL;
+        if (status == RLK_OK && gemm_floats > 0) {
+            gemm_workspace = tensor_arg_new_like(&t[HIDDEN], "workspace", 1, &gemm_floats, RLK_F32);
+            tensor_arg view = {0};
+            status = gemm_workspace != NULL && tensor_arg_parse(gemm_workspace, "workspace", 0, &view) == 0
+                         ? RLK_OK
+                         : RLK_PYTHON_ERROR;
+            gemm_ws = view.data;
+            tensor_arg_release(&view);
+        }
         for (int64_t r0 = 0; status == RLK_OK && r0 < N; r0 += block) {
             const int64_t rows = N - r0 < block ? N - r0 : block;
-            const void *h_rows = (const char *)p.hidden + r0 * p.ldh * elem;
             d.rows = rows;
-            d.hidden = h_rows;
+            d.hidden = (const char *)p.hidden + r0 * p.ldh * elem;
             d.target = (const int64_t *)t[ROWS + ROW_TARGET].data + r0;
             d.lse = (const float *)t[ROWS + ROW_LSE].data + r0;
             d.entropy = t[ROWS + ROW_ENTROPY].present ? (const float *)t[ROWS + ROW_ENTROPY].data + r0 : NULL;
@@ -382,34 +456,22 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
             d.grad_entropy =
                 t[ROWS + ROW_GRAD_ENTROPY].present ? (const float *)t[ROWS + ROW_GRAD_ENTROPY].data + r0 : NULL;
             for (int64_t v0 = 0; status == RLK_OK && v0 < V; v0 += chunk) {
-                const int64_t cols = V - v0 < chunk ? V - v0 : chunk;
-                const void *w_chunk = (const char *)p.weight + v0 * p.ldw * elem;
-                d.cols = cols, d.v0 = v0, d.weight = w_chunk;
+                const chunk_gemms c = chunk_gemms_at(&p, block, chunk, r0, v0, dz, dh, &t[GRAD_WEIGHT],
+                                                     &t[GRAD_BIAS], &t[ONES]);
+                d.cols = c.cols, d.v0 = v0, d.weight = c.w_chunk;
                 d.bias = p.bias != NULL ? (const char *)p.bias + v0 * elem : NULL;
-                d.dlogits = dz, d.ld_dlogits = cols;
+                d.dlogits = dz, d.ld_dlogits = c.cols;
                 if (fused) {
                     status = rlk_run("linear_logp_dlogits", backend, &t[HIDDEN], call_linear_logp_dlogits, &d, &ctx,
                                      NULL);
                 } else {
-                    status = run_gemm(backend, &t[HIDDEN], &ctx, rows, cols, D, dtype, h_rows, p.ldh, 0, w_chunk,
-                                      p.ldw, 1, RLK_F32, logits, cols, NULL);
-                    d.logits = logits, d.ld_logits = cols;
+                    status = run_gemm(backend, &t[HIDDEN], &ctx, gemm_ws, rows, c.cols, D, dtype, c.h_rows, p.ldh, 0,
+                                      c.w_chunk, p.ldw, 1, RLK_F32, logits, c.cols, NULL);
+                    d.logits = logits, d.ld_logits = c.cols;
                     if (status == RLK_OK)
                         status = rlk_run("linear_logp_dz", backend, &t[HIDDEN], call_linear_logp_dz, &d, &ctx, NULL);
                 }
-                /* dH (+)= dz @ W_chunk; dW_chunk (+)= dz^T @ H_rows; db_chunk += 1^T dz */
-                if (status == RLK_OK)
-                    status = run_gemm(backend, &t[HIDDEN], &ctx, rows, D, cols, dtype, dz, cols, 0, w_chunk, p.ldw,
-                                      0, RLK_F32, dh, D, v0 == 0 ? NULL : dh);
-                void *dw = t[GRAD_WEIGHT].data + v0 * ld_grad_weight * elem;
-                if (status == RLK_OK)
-                    status = run_gemm(backend, &t[HIDDEN], &ctx, cols, D, rows, dtype, dz, cols, 1, h_rows, p.ldh, 0,
-                                      dtype, dw, ld_grad_weight, r0 == 0 ? NULL : dw);
-                if (status == RLK_OK && t[GRAD_BIAS].present) {
-                    float *db = (float *)t[GRAD_BIAS].data + v0;
-                    status = run_gemm(backend, &t[HIDDEN], &ctx, 1, cols, rows, dtype,
-                                      t[ONES].data + r0 * elem, rows, 0, dz, cols, 0, RLK_F32, db, cols, db);
-                }
+                if (status == RLK_OK) status = run_chunk_gemms(backend, &t[HIDDEN], &ctx, gemm_ws, &c);
             }
             if (status == RLK_OK) { /* the block's dH, accumulated in fp32, stored once in the dtype */
                 const int64_t ld_grad_hidden = rlk_row_stride(&t[GRAD_HIDDEN]);
@@ -423,6 +485,7 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
         ok = rlk_raise_for_status(status, "linear_logp backward") == 0;
     }
     Py_XDECREF(workspace);
+    Py_XDECREF(gemm_workspace);
     Py_XDECREF(copies[0]);
     Py_XDECREF(copies[1]);
     rlk_release_all(t, parsed);
