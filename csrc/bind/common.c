@@ -88,21 +88,26 @@ int rlk_run_planned(const char *entry, int backend, const tensor_arg *ref, rlk_c
     if (status != RLK_OK) return status;
     PyObject *owner = NULL;
     *workspace = NULL;
-    if (ctx->workspace_bytes > 0) {
-        const int64_t floats = (ctx->workspace_bytes + 3) / 4;
-        owner = tensor_arg_new_like(ref, "workspace", 1, &floats, RLK_F32);
-        if (owner == NULL) return RLK_PYTHON_ERROR;
-        tensor_arg view;
-        if (tensor_arg_parse(owner, "workspace", 0, &view) != 0) {
-            Py_DECREF(owner);
-            return RLK_PYTHON_ERROR;
-        }
-        *workspace = view.data;
-        tensor_arg_release(&view);
-    }
+    if (ctx->workspace_bytes > 0 && rlk_new_workspace(ref, ctx->workspace_bytes, &owner, workspace) != 0)
+        return RLK_PYTHON_ERROR;
     status = rlk_run(entry, planned_backend, ref, call, args, ctx, NULL);
     Py_XDECREF(owner);
     return status;
+}
+
+int rlk_new_workspace(const tensor_arg *ref, int64_t bytes, PyObject **owner, void **data) {
+    const int64_t floats = (bytes + 3) / 4;
+    *data = NULL;
+    *owner = tensor_arg_new_like(ref, "workspace", 1, &floats, RLK_F32);
+    if (*owner == NULL) return -1;
+    tensor_arg view;
+    if (tensor_arg_parse(*owner, "workspace", 0, &view) != 0) {
+        Py_CLEAR(*owner);
+        return -1;
+    }
+    *data = view.data;
+    tensor_arg_release(&view);
+    return 0;
 }
 
 int rlk_align_cuda_matrix(const tensor_arg *t, const void **data, int64_t outer, int64_t inner, int64_t *ld,

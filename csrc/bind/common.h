@@ -62,6 +62,10 @@ int rlk_run(const char *entry, int backend, const tensor_arg *ref, rlk_caller ca
  * only after. */
 int rlk_run_planned(const char *entry, int backend, const tensor_arg *ref, rlk_caller call,
                     const void *args, void **workspace, rlk_context *ctx);
+/* Scratch memory of at least `bytes` from ref's framework, on ref's device (fp32 elements): *owner
+ * keeps it alive (the caller releases it after the launches), *data is its address. 0, or -1 with a
+ * Python exception. */
+int rlk_new_workspace(const tensor_arg *ref, int64_t bytes, PyObject **owner, void **data);
 
 /* CUDA operands are presented with 16-byte aligned rows: a matrix whose base or row stride is not a
  * multiple of 16 bytes (a view starting mid-row, an odd leading dimension) is copied, values

@@ -323,6 +323,13 @@ static int run_chunk_gemms(int backend, const tensor_arg *ref, rlk_context *ctx,
     return status;
 }
 
+/* The chunk's fp32 logits H_rows @ W_chunk^T, where dz is formed off the fused path. */
+static int run_logits_gemm(int backend, const tensor_arg *ref, rlk_context *ctx, void *workspace,
+                           const chunk_gemms *c, float *logits) {
+    return run_gemm(backend, ref, ctx, workspace, c->rows, c->cols, c->D, c->dtype, c->h_rows, c->ldh, 0, c->w_chunk,
+                    c->ldw, 1, RLK_F32, logits, c->cols, NULL);
+}
+
 /* The chunk GEMMs of the block of rows from r0 and the vocabulary chunk from v0. */
 static chunk_gemms chunk_gemms_at(const rlk_linear_logp_args *p, int64_t block, int64_t chunk, int64_t r0,
                                   int64_t v0, const void *dz, float *dh, const tensor_arg *grad_weight,
@@ -410,14 +417,13 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
         block = (block + 127) / 128 * 128 <= max_block ? (block + 127) / 128 * 128 : block;
         block = block > N ? N : block;
         const int64_t dh_bytes = aligned_bytes(4 * block * D), dz_bytes = aligned_bytes(elem * block * chunk);
-        const int64_t floats = (dh_bytes + dz_bytes + (fused ? 0 : 4 * block * chunk) + 3) / 4;
-        workspace = ok ? tensor_arg_new_like(&t[HIDDEN], "workspace", 1, &floats, RLK_F32) : NULL;
-        tensor_arg ws = {0};
-        ok = workspace != NULL && tensor_arg_parse(workspace, "workspace", 0, &ws) == 0;
-        float *dh = (float *)ws.data;
-        void *dz = ws.data + dh_bytes;
-        float *logits = fused ? NULL : (float *)(ws.data + dh_bytes + dz_bytes);
-        tensor_arg_release(&ws);
+        void *ws_data = NULL;
+        ok = ok && rlk_new_workspace(&t[HIDDEN], dh_bytes + dz_bytes + (fused ? 0 : 4 * block * chunk), &workspace,
+                                     &ws_data) == 0;
+        char *ws = ws_data;
+        float *dh = (float *)ws;
+        void *dz = ws + dh_bytes;
+        float *logits = fused ? NULL : (float *)(ws + dh_bytes + dz_bytes);
         /* the GEMMs' scratch memory (sm90: stream-K where whole tiles would leave a wave partly empty, and
          * the K chains' running sums from K = 65536 on), planned for the first and last block and chunk:
          * the plans depend on the GEMMs' shapes only, and every other block and chunk has the first's */
@@ -429,22 +435,13 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
             const chunk_gemms c = chunk_gemms_at(&p, block, chunk, i % 2 ? last_r0 : 0, i / 2 ? last_v0 : 0, dz, dh,
                                                  &t[GRAD_WEIGHT], &t[GRAD_BIAS], &t[ONES]);
             status = run_chunk_gemms(backend, &t[HIDDEN], &ctx, NULL, &c);
-            if (status == RLK_OK && !fused)
-                status = run_gemm(backend, &t[HIDDEN], &ctx, NULL, c.rows, c.cols, D, dtype, c.h_rows, p.ldh, 0,
-                                  c.w_chunk, p.ldw, 1, RLK_F32, logits, c.cols, NULL);
+            if (status == RLK_OK && !fused) status = run_logits_gemm(backend, &t[HIDDEN], &ctx, NULL, &c, logits);
         }
         ctx.plan_only = 0;
-        const int64_t gemm_floats = (ctx.workspace_bytes + 3) / 4;
         void *gemm_ws = NULL;
-        if (status == RLK_OK && gemm_floats > 0) {
-            gemm_workspace = tensor_arg_new_like(&t[HIDDEN], "workspace", 1, &gemm_floats, RLK_F32);
-            tensor_arg view = {0};
-            status = gemm_workspace != NULL && tensor_arg_parse(gemm_workspace, "workspace", 0, &view) == 0
-                         ? RLK_OK
-                         : RLK_PYTHON_ERROR;
-            gemm_ws = view.data;
-            tensor_arg_release(&view);
-        }
+        if (status == RLK_OK && ctx.workspace_bytes > 0 &&
+            rlk_new_workspace(&t[HIDDEN], ctx.workspace_bytes, &gemm_workspace, &gemm_ws) != 0)
+            status = RLK_PYTHON_ERROR;
         for (int64_t r0 = 0; status == RLK_OK && r0 < N; r0 += block) {
             const int64_t rows = N - r0 < block ? N - r0 : block;
             d.rows = rows;
@@ -465,8 +462,7 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
                     status = rlk_run("linear_logp_dlogits", backend, &t[HIDDEN], call_linear_logp_dlogits, &d, &ctx,
                                      NULL);
                 } else {
-                    status = run_gemm(backend, &t[HIDDEN], &ctx, gemm_ws, rows, c.cols, D, dtype, c.h_rows, p.ldh, 0,
-                                      c.w_chunk, p.ldw, 1, RLK_F32, logits, c.cols, NULL);
+                    status = run_logits_gemm(backend, &t[HIDDEN], &ctx, gemm_ws, &c, logits);
                     d.logits = logits, d.ld_logits = c.cols;
                     if (status == RLK_OK)
                         status = rlk_run("linear_logp_dz", backend, &t[HIDDEN], call_linear_logp_dz, &d, &ctx, NULL);
