@@ -45,7 +45,8 @@ def main():
         logp, ent = rl_kernels.linear_logp(h, w, t, temperature=0.7, return_entropy=True)
         (logp.sum() + ent.sum()).backward()
         # the backward's dH at 1024 rows x D = 5120 over a 16384-column chunk: 160 tiles of 128 x 256,
-        # which sm90 runs stream-K in the backward's GEMM scratch memory
+        # which sm90 runs stream-K in the backward's GEMM scratch memory; its forward's 88 units (22
+        # splits x 4 row-tile pairs) share their last ones' tiles between clusters (row states handed over)
         h, w = randn(1024, 5120).requires_grad_(), randn(16484, 5120).requires_grad_()
         t = torch.randint(0, 16484, (1024,), device="cuda", generator=gen)
         torch.autograd.grad(rl_kernels.linear_logp(h, w, t), (h, w), randn(1024, dtype=torch.float32))

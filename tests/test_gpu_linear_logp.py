@@ -92,6 +92,23 @@ def test_rows_bitwise_invariant_at_qwen3_head(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_rows_bitwise_invariant_when_the_last_units_are_shared(backend):
+    """At V = 32768 (43 vocabulary splits) the units of 1024 rows fill 2.6 rounds of an H100's 66
+    clusters, so sm90 shares the last ones' tiles between clusters, a split's row states handed over
+    mid-split; 300 and 700 rows share other pieces, 1-129 rows none. Each row's bits must not care."""
+    h, w, b, t = problem(1024, 256, 32768, seed=60, bias=True)
+    full, full_ent = rl_kernels.linear_logp(h, w, t, b, return_entropy=True, backend=backend)
+    ref_logp, ref_ent = fp64_reference(h, w, t, b, rows=slice(0, 1024, 7))
+    assert (full[::7].double() - ref_logp).abs().max() <= 1e-4
+    assert (full_ent[::7].double() - ref_ent).abs().max() <= 1e-4
+    for m in (1, 3, 17, 129, 300, 700, 1000):
+        logp, ent = rl_kernels.linear_logp(h[:m], w, t[:m], b, return_entropy=True, backend=backend)
+        assert torch.equal(logp, full[:m]) and torch.equal(ent, full_ent[:m]), f"N={m}"
+    for _ in range(3):
+        assert torch.equal(rl_kernels.linear_logp(h, w, t, b, backend=backend), full)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_unaligned_hidden_base_gives_the_same_bits(backend):
     """hidden rows starting 2 bytes past a 16-byte boundary (row stride still a multiple of 16 bytes):
     the same kernel and the same bits, forward and backward."""

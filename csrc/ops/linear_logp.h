@@ -9,7 +9,8 @@
  * hidden [N, D] row stride ldh (contiguous in D), weight [V, D] row stride ldw, bias [V] or NULL,
  * all in `dtype`; target int64 [N]; logp, entropy (may be NULL), lse: fp32 [N].
  * The V reduction order depends on V only (fixed V split, partials merged in a fixed order).
- * workspace: ctx->workspace_bytes of device memory as planned (the split partials).
+ * workspace: ctx->workspace_bytes of device memory as planned (the split partials; sm90 also its
+ * stream-K hand-over slots).
  *
  * Backward, one chunk of rows x vocabulary columns [v0, v0 + cols) at a time (csrc/bind/linear_logp.c
  * walks the chunks in a fixed order and feeds d_z to the GEMM kernels). With z the chunk's logits

@@ -28,7 +28,9 @@
  * through the remaining slices, then runs the epilogue. In the shared items each cluster does its head
  * first and its tail last, so the wait for the previous cluster's head is short or none; cluster g waits only on cluster
  * g - 1 of a persistent grid of co-resident clusters. This is the cuBLAS answer to wave quantization
- * without its split-K sums: no element is summed in a different order.
+ * without its split-K sums: no element is summed in a different order. Units of several tiles (the
+ * linear_logp forward's vocabulary splits) are shared out the same way by tiles instead of k-slices,
+ * the Epilogue's per-row state handed over instead of the accumulators (its hand_over / take_over).
  *
  * K chains (the GEMM's kernels instantiated with store_tiles' CHAINS, which sm90/gemm.cu runs from
  * K = 65536 on: a choice by K alone): the k-slices are cut into chains of chain_tiles at fixed
@@ -271,12 +273,18 @@ struct tile_store {
  *   STORES_TILES    the tiles are stored to `out` of type OutT (gives the kernel TMA-store buffers)
  *   PAIR_TAIL       clusters of 2 take an unpartnered last row tile in pairs of units (plan_work_items;
  *                   units must be single tiles)
- *   STREAM_K        stream-K may share a tile's k-slices between CTAs (units of one tile)
+ *   STREAM_K        stream-K may share the last items between CTAs: a tile's k-slices (units of one
+ *                   tile), or a unit's tiles (units of several: the row states handed over instead of
+ *                   the accumulators, STATE_BN, hand_over / take_over below)
  *   K_CHAINS        the k-slices run as K chains (Params is k_chain_params; units of one tile)
  *   Params          its own kernel parameters
  *   begin(row0, p, ep) -> unit state, before the unit's first k loop
  *   tile<BN, BF16, TMA_STORE>(d, unit, row0, col0, p, ep, store), after each tile's k loop
- *   end(unit, row0, n_unit, p, ep), after the unit's last tile. */
+ *   end(unit, row0, n_unit, p, ep), after the unit's last tile.
+ * With STREAM_K and units of several tiles, also: STATE_BN, the unit state's width in a stream-K slot
+ * (64 x STATE_BN floats per consumer: STATE_BN / 2 a thread), hand_over(unit, slot, ready, barrier) after a
+ * piece that ends before the unit does, take_over(unit, slot, ready, barrier) after begin for a piece
+ * that starts inside a unit. */
 
 /* Tiles of value(acc, C) stored to out (OutT): the GEMM (Value = gemm_value; CHAINS: its kernels for
  * K chains) and the linear_logp backward's fused dz (Value = dlogits_value, sm90/linear_logp.cu). */
@@ -308,6 +316,27 @@ struct store_tiles {
 };
 
 /* ------------------------------------ main loop --------------------------------------------- */
+
+/* The width of a stream-K slot (64 x SLOT_BN fp32 per consumer): a tile's accumulators when a unit is
+ * one tile, the Epilogue's unit state when a unit is several tiles (stream-K then shares tiles). */
+template <int BN, class Epilogue>
+constexpr int stream_k_slot_bn() {
+    if constexpr (Epilogue::TILES_PER_UNIT > 1) return Epilogue::STATE_BN;
+    else return BN;
+}
+
+/* A piece of work (plan.piece: a range [k_begin, k_end) of an item) as the tiles of its unit and the
+ * k-slices of each: with units of one tile the range is of k-slices; with units of several tiles the
+ * range is of the unit's tiles (stream-K shares tiles; every tile runs all k_tiles slices). */
+template <int TILES_PER_UNIT>
+__device__ __forceinline__ void unit_piece(int &k_begin, int &k_end, int &tile_begin, int &tile_end, int k_tiles) {
+    if constexpr (TILES_PER_UNIT > 1) {
+        tile_begin = k_begin, tile_end = k_end;
+        k_begin = 0, k_end = k_tiles;
+    } else {
+        tile_begin = 0, tile_end = 1;
+    }
+}
 
 /* The work items of a grid: groups of CLUSTER vertically adjacent row tiles (one per CTA of a cluster,
  * sharing the B tiles) times the column units; when the last row tile has no partner (clusters of 2, an
@@ -678,7 +707,9 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     /* a chained kernel strides over its pieces (chain_piece), the others over their items */
     int num_work = p.work_items;
     if constexpr (K_CHAINS) num_work = ep.split_first + (p.work_items - ep.split_first) * ep.chains;
-    const work_plan plan = plan_work(STREAM_K && p.stream_k, num_work, p.k_tiles, blockIdx.x / CLUSTER,
+    /* what stream-K shares out: k-slices of one-tile units, or tiles of a unit */
+    const int item_length = TILES_PER_UNIT > 1 ? TILES_PER_UNIT : p.k_tiles;
+    const work_plan plan = plan_work(STREAM_K && p.stream_k, num_work, item_length, blockIdx.x / CLUSTER,
                                      gridDim.x / CLUSTER);
 
     if (warpgroup == 0) {
@@ -687,16 +718,17 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
         if (threadIdx.x == 0) {
             int it = 0;
             for (int i = 0; i < plan.pieces(); ++i) {
-                int work, k_begin, k_end, m_blk, n_unit;
-                plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
+                int work, k_begin, k_end, m_blk, n_unit, tile_begin, tile_end;
+                plan.piece(i, item_length, &work, &k_begin, &k_end);
                 if constexpr (K_CHAINS) chain_piece(work, p, ep, &work, &k_begin, &k_end);
+                unit_piece<TILES_PER_UNIT>(k_begin, k_end, tile_begin, tile_end, p.k_tiles);
                 const bool b_shared = work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
                 /* the k loop, instantiated for a B tile shared by the cluster or not: a branch on b_shared
                  * inside it moved the loop's state off the uniform datapath */
                 auto load_tiles = [&](auto shared_b) {
                     constexpr bool SHARED_B = decltype(shared_b)::value;
-                    const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
-                    for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
+                    const int n_end = min(n_unit * TILES_PER_UNIT + tile_end, p.col_tiles);
+                    for (int n_blk = n_unit * TILES_PER_UNIT + tile_begin; n_blk < n_end; ++n_blk) {
                         for (int kt = k_begin; kt < k_end; ++it) {
                             const int s = it % STAGES;
                             const int slices = stage_slices<SLICES>(kt, k_end);
@@ -770,9 +802,10 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
         float d[BN / 2];
         int it = 0;
         for (int i = 0; i < plan.pieces(); ++i) {
-            int work, k_begin, k_end, m_blk, n_unit;
-            plan.piece(i, p.k_tiles, &work, &k_begin, &k_end);
+            int work, k_begin, k_end, m_blk, n_unit, tile_begin, tile_end;
+            plan.piece(i, item_length, &work, &k_begin, &k_end);
             if constexpr (K_CHAINS) chain_piece(work, p, ep, &work, &k_begin, &k_end);
+            unit_piece<TILES_PER_UNIT>(k_begin, k_end, tile_begin, tile_end, p.k_tiles);
             work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
             const int row0 = m_blk * BM + 64 * c;
             const tile_store store{&map_out, epi_smem + c * 2 * EPI_BOX_BYTES, 1u + c};
@@ -811,11 +844,27 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                 }
                 Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_unit * BN, p, ep, store);
             } else {
-                const int n_end = min((n_unit + 1) * TILES_PER_UNIT, p.col_tiles);
-                for (int n_blk = n_unit * TILES_PER_UNIT; n_blk < n_end; ++n_blk) {
+                /* stream-K slots as above, holding the unit's state: a piece that starts inside the unit
+                 * continues the state the previous cluster's piece handed over; one that ends before the
+                 * unit does hands its state to the next cluster */
+                constexpr int SLOT_FLOATS = 64 * stream_k_slot_bn<BN, Epilogue>();
+                const int slot = (int)blockIdx.x * CONSUMERS + c;
+                if constexpr (STREAM_K)
+                    if (tile_begin > 0)
+                        Epilogue::take_over(unit, p.partials + (int64_t)slot * SLOT_FLOATS, p.partial_ready + slot, 1u + c);
+                const int n_end = min(n_unit * TILES_PER_UNIT + tile_end, p.col_tiles);
+                for (int n_blk = n_unit * TILES_PER_UNIT + tile_begin; n_blk < n_end; ++n_blk) {
                     mma_tile<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
                         d, 0, p.k_tiles, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
                     Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_blk * BN, p, ep, store);
+                }
+                if constexpr (STREAM_K) {
+                    if (tile_end < TILES_PER_UNIT) {
+                        const int next = slot + CLUSTER * CONSUMERS;
+                        Epilogue::hand_over(unit, p.partials + (int64_t)next * SLOT_FLOATS, p.partial_ready + next,
+                                            1u + c);
+                        continue;
+                    }
                 }
             }
             Epilogue::end(unit, row0, n_unit, p, ep);
@@ -961,7 +1010,7 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
      * the last wave partly empty, and needs no item to span three clusters */
     if (p.stream_k && (work < max_clusters[device] || work % clusters == 0)) p.stream_k = 0;
     if (p.stream_k) {
-        p.partial_ready = (int *)(p.partials + (int64_t)num_sms * CONSUMERS * 64 * BN);
+        p.partial_ready = (int *)(p.partials + (int64_t)num_sms * CONSUMERS * 64 * stream_k_slot_bn<BN, Epilogue>());
         const cudaError_t err = cudaMemsetAsync(p.partial_ready, 0, sizeof(int) * clusters * CLUSTER * CONSUMERS, stream);
         if (err != cudaSuccess) return (int)err;
     }

@@ -8,7 +8,9 @@
  * (128-row tile, vocabulary split of LOGP_SPLIT_COLS = 768 columns = 4 tiles walked in increasing
  * order); instead of storing a tile, each consumer folds it into per-row online-softmax states (max,
  * sum 2^(x - max), sum 2^(x - max) (x - max), target logit, log2 units) held in registers, written as one
- * float4 per (split, row) to the workspace at the end of the split (policy logp_fold).
+ * float4 per (split, row) to the workspace at the end of the split (policy logp_fold). When the units
+ * leave the last round of clusters partly empty, the last ones are shared out by tiles (stream-K,
+ * gemm_kernel.cuh): a cluster stopping inside a split hands the rows' states to the next one.
  * linear_logp_merge_kernel (cuda/linear_logp.cuh) folds a row's splits in increasing order.
  *
  * Backward dz (linear_logp_dlogits): the GEMM z = hidden @ weight_chunk^T + bias on the large GEMM
@@ -17,10 +19,11 @@
  * the chunk are never written.
  *
  * Batch invariance: the chain boundaries depend on D, the tiles and splits on V, every fold and merge
- * runs in a fixed order, so a row's results do not depend on N or its position; z's elements in the
- * backward are bitwise those of the SM90 GEMM. Tested on the GPU by tests/test_gpu_linear_logp.py
- * (torch.equal for rows of N = 1, 3, 17, 129, 1000 and shifted rows vs N = 4096; fused dz vs the SM90 GEMM
- * followed by the elementwise dz).
+ * runs in a fixed order (a split handed over between clusters continues the same fold from an exact copy
+ * of its states), so a row's results do not depend on N or its position; z's elements in the backward are
+ * bitwise those of the SM90 GEMM. Tested on the GPU by tests/test_gpu_linear_logp.py (torch.equal for rows
+ * of N = 1, 3, 17, 129, 1000 and shifted rows vs N = 4096; at V = 32768, where N = 300 to 1024 share their
+ * last units differently, N = 1 .. 1000 vs 1024; fused dz vs the SM90 GEMM followed by the elementwise dz).
  *
  * Limits (-> RLK_UNSUPPORTED, sm80 runs): bf16/fp16 only; operands TMA cannot describe; the
  * forward also needs D a multiple of 8.
@@ -168,13 +171,16 @@ __device__ __forceinline__ void store_partials(logp_row_states &st, int row0, in
 
 /* The forward's epilogue policy: a work unit is a vocabulary split of LOGP_SPLIT_COLS / BN tiles walked
  * in increasing order; each tile, from fresh LOGP_CHAIN-slice wgmma chains, is folded into per-row
- * softmax states instead of being stored, and the split's state is written once at the end. */
+ * softmax states instead of being stored, and the split's state is written once at the end. Stream-K
+ * shares the last units' tiles between clusters (gemm_kernel.cuh): a piece that stops inside a unit
+ * hands its states (m, l, S, x_target of the thread's two rows: STATE_BN / 2 = 8 floats) to the next
+ * cluster's piece, which folds the following tiles onto them, the same folds in the same order. */
 template <int BN>
 struct logp_fold {
     using OutT = float; /* nothing is stored through the out map */
     using Params = logp_sm90_params;
-    static constexpr int TILES_PER_UNIT = LOGP_SPLIT_COLS / BN, CHAIN = LOGP_CHAIN;
-    static constexpr bool STORES_TILES = false, PAIR_TAIL = false, STREAM_K = false, K_CHAINS = false;
+    static constexpr int TILES_PER_UNIT = LOGP_SPLIT_COLS / BN, CHAIN = LOGP_CHAIN, STATE_BN = 16;
+    static constexpr bool STORES_TILES = false, PAIR_TAIL = false, STREAM_K = true, K_CHAINS = false;
     static_assert(LOGP_SPLIT_COLS % BN == 0, "a split is whole tiles");
     static __device__ __forceinline__ logp_row_states begin(int row0, const gemm_sm90_params &p,
                                                             const logp_sm90_params &lp) {
@@ -198,6 +204,21 @@ struct logp_fold {
     static __device__ __forceinline__ void end(logp_row_states &st, int row0, int split, const gemm_sm90_params &p,
                                                const logp_sm90_params &lp) {
         store_partials(st, row0, split, p, lp);
+    }
+    static __device__ __forceinline__ void hand_over(const logp_row_states &st, float *slot, int *ready,
+                                                     uint32_t barrier_id) {
+        const float v[STATE_BN / 2] = {st.m[0], st.m[1], st.l[0],          st.l[1],
+                                       st.S[0], st.S[1], st.x_target[0], st.x_target[1]};
+        store_partial<STATE_BN>(v, slot, ready, barrier_id);
+    }
+    static __device__ __forceinline__ void take_over(logp_row_states &st, const float *slot, const int *ready,
+                                                     uint32_t barrier_id) {
+        float v[STATE_BN / 2];
+        load_partial<STATE_BN>(v, slot, ready, barrier_id);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            st.m[h] = v[h], st.l[h] = v[2 + h], st.S[h] = v[4 + h], st.x_target[h] = v[6 + h];
+        }
     }
 };
 
@@ -236,18 +257,21 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_co
         return RLK_UNSUPPORTED;
     if (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)) return RLK_UNSUPPORTED;
     ctx->kernel = "linear_logp_fwd_sm90";
-    if (ctx->plan_only) {
-        ctx->workspace_bytes = logp_splits(args->V) * args->N * (int64_t)sizeof(float4);
-        return RLK_OK;
-    }
-
     int device, num_sms;
     const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
+    /* workspace: the splits' partial states, then stream-K's hand-over slots (logp_fold) */
+    const int64_t partial_bytes = logp_splits(args->V) * args->N * (int64_t)sizeof(float4);
+    if (ctx->plan_only) {
+        ctx->workspace_bytes = partial_bytes + stream_k_workspace_bytes(logp_fold<192>::STATE_BN, 2, num_sms);
+        return RLK_OK;
+    }
 
     const rlk_gemm_args g =
         product_args(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, args->dtype, RLK_F32);
-    const gemm_sm90_params p = gemm_params(&g);
+    gemm_sm90_params p = gemm_params(&g);
+    p.stream_k = 1; /* when the last round of units is partly empty (launch_gemm_sm90) */
+    p.partials = (float *)((char *)args->workspace + partial_bytes);
     logp_sm90_params lp;
     memset(&lp, 0, sizeof(lp));
     lp.bias = args->bias;
