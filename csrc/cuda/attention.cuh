@@ -124,14 +124,15 @@ __device__ __forceinline__ void set_empty(RowPair &st) {
  * row_len: the visible keys of the thread's two rows. THREAD_ROWS (here, in update_rows and
  * rescale_rows): the thread's rows that are computed, 2, or 1 when only the tile's first 8 rows hold
  * queries (sm90's split kernel at decode: row h = 1 is padding in every thread; its p is set to 0 and
- * its state left as it is). */
-template <int THREAD_ROWS = 2, class Scores>
+ * its state left as it is). KEYS (here and in update_rows): the block's keys, BLOCK_N, or sm90's
+ * forward blocks of 128 (sm90/attention.cu, FWD_KEYS). */
+template <int THREAD_ROWS = 2, int KEYS = BLOCK_N, class Scores>
 __device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_len)[2], Scores s) {
 #pragma unroll
     for (int h = 0; h < THREAD_ROWS; ++h) {
         const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns 8 j + e below are keys < L */
 #pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j)
+        for (int j = 0; j < KEYS / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
                 if (j * 8 + e >= visible) s(h, j, e) = -INFINITY;
@@ -140,13 +141,13 @@ __device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_l
 
 /* The contract's update of a RowPair by one key block, after masking, the two rows side by side (their
  * shuffles and sum chains overlap; each row's arithmetic is its own): per row h the block's max (this
- * thread's BLOCK_N / 4 scores by a balanced tree, exact in any order, then over the quad), the new m
+ * thread's KEYS / 4 scores by a balanced tree, exact in any order, then over the quad), the new m
  * (the old one unless the max grew past it by more than RESCALE_THRESHOLD in scaled units), the
  * rescale factor alpha[h] (exactly 1 while m stays), the scores turned into p in place and summed
  * (four chains, below) then over the quad, l = alpha l + sum. The accumulators are scaled by alpha
  * afterwards (rescale_rows), before P V adds onto them. s(h, j, e): row h's score at this thread's
  * column pair j, element e; the backends' fragment layouts differ, the arithmetic is this one. */
-template <int THREAD_ROWS = 2, class Scores>
+template <int THREAD_ROWS = 2, int KEYS = BLOCK_N, class Scores>
 __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, float (&alpha)[2]) {
     static_assert(THREAD_ROWS == 1 || THREAD_ROWS == 2, "a thread holds two rows");
     float mx[2], ms_new[2], sum[2];
@@ -155,17 +156,17 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
          * from one wgmma to the next untouched, ptxas serialized every wgmma of sm90's kernel, C7511) */
         alpha[1] = 1.0f;
 #pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) s(1, j, 0) = s(1, j, 1) = 0.0f;
+        for (int j = 0; j < KEYS / 8; ++j) s(1, j, 0) = s(1, j, 1) = 0.0f;
     }
 #pragma unroll
     for (int h = 0; h < THREAD_ROWS; ++h) {
-        float mt[BLOCK_N / 8];
+        float mt[KEYS / 8];
 #pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) mt[j] = fmaxf(s(h, j, 0), s(h, j, 1));
+        for (int j = 0; j < KEYS / 8; ++j) mt[j] = fmaxf(s(h, j, 0), s(h, j, 1));
 #pragma unroll
-        for (int w = BLOCK_N / 16; w >= 1; w /= 2)
+        for (int w = 1; w < KEYS / 8; w *= 2)
 #pragma unroll
-            for (int i = 0; i < w; ++i) mt[i] = fmaxf(mt[i], mt[i + w]);
+            for (int i = 0; i < KEYS / 8; i += 2 * w) mt[i] = fmaxf(mt[i], mt[i + w]);
         mx[h] = mt[0];
     }
 #pragma unroll
@@ -190,7 +191,7 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
      * on each other the whole block long; the chains are added pairwise, then over the quad */
     float chain[2][4];
 #pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j)
+    for (int j = 0; j < KEYS / 8; ++j)
 #pragma unroll
         for (int h = 0; h < THREAD_ROWS; ++h)
 #pragma unroll
@@ -376,7 +377,7 @@ __device__ __forceinline__ int block_tile() { return blockIdx.x + gridDim.x * (b
 /* Fills cta for tile `tile` of the ROWS-row tiles; false when it has nothing to do (its sequence's
  * query range is out of bounds, its tile past the sequence's rows, or its segment past the keys its
  * rows see: a prefill tile whose rows see no key still writes them). */
-template <int ROWS, bool SPLIT>
+template <int ROWS, bool SPLIT, int KEYS = BLOCK_N>
 __device__ __forceinline__ bool fwd_cta(const FwdParams &p, int tile, FwdCta &cta) {
     const int x = tile % p.grid_x, yz = tile / p.grid_x, y = yz % p.grid_y;
     cta.b = yz / p.grid_y;
@@ -399,11 +400,11 @@ __device__ __forceinline__ bool fwd_cta(const FwdParams &p, int tile, FwdCta &ct
     if (cta.rows_in <= 0) return false;
     /* rows are in increasing query order, so the last row sees the most keys */
     cta.block_begin = 0;
-    cta.block_end = (cta.len_of(cta.rows_in - 1) + BLOCK_N - 1) / BLOCK_N;
+    cta.block_end = (cta.len_of(cta.rows_in - 1) + KEYS - 1) / KEYS;
     if (SPLIT) {
-        cta.block_begin = cta.segment * BLOCKS_PER_SEGMENT;
+        cta.block_begin = cta.segment * (SEGMENT / KEYS);
         if (cta.block_begin >= cta.block_end) return false;
-        cta.block_end = min(cta.block_end, cta.block_begin + BLOCKS_PER_SEGMENT);
+        cta.block_end = min(cta.block_end, cta.block_begin + SEGMENT / KEYS);
     }
     return true;
 }

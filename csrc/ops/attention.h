@@ -26,7 +26,8 @@
  *
  * Per query row and head, every backend computes (c = softmax_scale * log2(e), fp32 throughout):
  *   keys 0 .. L-1 are cut into SEGMENTs of RLK_ATTENTION_SEGMENT keys at absolute positions
- *   0, SEGMENT, 2 SEGMENT, ...; each segment into blocks of RLK_ATTENTION_BLOCK_N keys.
+ *   0, SEGMENT, 2 SEGMENT, ...; each segment into blocks of B keys, B fixed per backend:
+ *   RLK_ATTENTION_BLOCK_N (64) on the CPU and sm80, 128 on sm90 (sm90/attention.cu, FWD_KEYS).
  *   A softmax state is (m, ms, l, acc[head_dim]): the reference max m, ms = its scaled value, the
  *   running sum l and the unnormalized output acc. scaled(m) = (m == -inf) ? 0 : round(m * c).
  *   Per segment, from the empty state (m = -inf, ms = 0, l = 0, acc = 0), per block in increasing
@@ -84,7 +85,7 @@
 extern "C" {
 #endif
 
-#define RLK_ATTENTION_BLOCK_N 64  /* keys per block */
+#define RLK_ATTENTION_BLOCK_N 64  /* keys per block (cpu, sm80; sm90 folds two at a time) */
 #define RLK_ATTENTION_SEGMENT 512 /* keys per segment (a multiple of RLK_ATTENTION_BLOCK_N) */
 #define RLK_ATTENTION_RESCALE_THRESHOLD 8.0f /* log2 units: m moves when a score beats it by 2^8 */
 

@@ -8,9 +8,9 @@ ranges (q_start, q_len, k_start, k_len) -> the torch.library op ``rl_kernels::at
 implementation, autograd through ``rl_kernels::attention_backward``) -> ``_C``.
 
 A query row's output depends on its q, the keys/values at positions 0..p of its own sequence, the
-head dim and the scale only: keys are reduced in blocks of 64 and segments of 512 aligned at each
-sequence's first real key, in increasing order, whatever the batch, the packing, the padding, the
-chunking or the number of queries in the call. Positions count from each sequence's first real key
+head dim and the scale only: keys are reduced in blocks (64 keys; 128 on sm90) and segments of 512
+aligned at each sequence's first real key, in increasing order, whatever the batch, the packing,
+the padding, the chunking or the number of queries in the call. Positions count from each sequence's first real key
 and causal masking is aligned bottom-right (query i of q_len sits at key position
 k_len - q_len + i), as flash-attention does and as a KV-cache decode step needs.
 """

@@ -2,21 +2,23 @@
  * cores (wgmma, sm_90a). The contract is csrc/ops/attention.h.
  *
  * Forward. Per query row: keys cut into segments of 512 at absolute positions 0, 512, ..., each cut
- * into blocks of 64; a segment's softmax state (m, l, acc) is built block by block from empty, and
+ * into blocks of 128 (FWD_KEYS; sm80 and the CPU reference fold blocks of 64); a segment's softmax
+ * state (m, l, acc) is built block by block from empty, and
  * the segments' states are merged in increasing order into the row state, which is normalized at the
  * end. Two schedules run that same arithmetic:
  *   attention_fwd_kernel<SPLIT = false> (prefill, training, chunked prefill): persistent, one CTA
  *     per SM taking tiles of 128 query rows of one (sequence, head) one after the other (its
  *     blockIdx.x, then tickets from an atomic counter, in the order of the heaviest causal tiles
  *     first): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a producer warpgroup
- *     (setmaxnreg: 48 registers, consumers 224) that streams each tile's K and V blocks of 64
- *     keys with cp.async into a 4-stage ring completing on mbarriers (full: the producer's copies
- *     have landed and were fenced for the tensor cores; empty: every consumer warp is done with the
- *     stage), one stream across the tiles, so the next tile's first blocks load while the consumers
- *     finish the current one. Each consumer warpgroup copies its own 64 Q rows into its own slab of
+ *     (setmaxnreg: 48 registers, consumers 224) that streams each tile's blocks of 128 keys with
+ *     cp.async into a 4-stage ring completing on mbarriers (full: the producer's copies have landed
+ *     and were fenced for the tensor cores; empty: every consumer warp is done with the stage), one
+ *     stream across the tiles, so the next tile's first blocks load while the consumers finish the
+ *     current one. A block's K and its V are separate ring items (32 KB each at d = 128): K(t) is
+ *     freed once S of block t has read it, so K(t + 1) loads while the consumers still hold V(t - 1). Each consumer warpgroup copies its own 64 Q rows into its own slab of
  *     the Q tile, the next tile's under the current one's epilogue.
  *     Every tile is stored in the wgmma 128-byte swizzle (boxes of rows x 64 elements, 16-byte chunk c
- *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n64k16 over
+ *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n128k16 over
  *     head_dim; Q as the register A operand, its fragments read from the slab once per tile by
  *     ldmatrix; K from shared memory, K-major), the online-softmax update in registers, then
  *     acc = alpha acc + P V (wgmma m64n{d}k16 with P rounded to the dtype as the register A operand
@@ -30,7 +32,12 @@
  *   attention_fwd_kernel<SPLIT = true> + attention_combine_kernel (split-KV decode): a CTA of one
  *     consumer warpgroup and the producer owns one (sequence, kv head, segment) and 64 rows made of
  *     the group's G query heads of consecutive queries (row = query * G + head in group), so one K/V
- *     read serves the whole group, two CTAs per SM (3-stage ring). It writes the segment state of each
+ *     read serves the whole group. Two variants, the same S per score (a wgmma's A operand from
+ *     registers or from shared memory gives the same products; the GPU tests compare decode with
+ *     the prefill bitwise): one CTA an SM with 4 stages and Q in registers, which the launcher takes
+ *     when the grid fits one wave of them (B = 1 decode: the shortest chain per block), else two CTAs
+ *     an SM with 3 stages and S reading Q from the slab (the registers of two CTAs leave none for
+ *     Q's fragments: ptxas serialized the wgmmas). It writes the segment state of each
  *     row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel (cuda/attention.cuh, as
  *     sm80's) merges each row's segments in increasing order and normalizes (head_dim / 4 threads per
  *     row, 4 columns each). It is launched as a programmatic dependent of the split kernel, which
@@ -44,11 +51,11 @@
  *   When max_q_len * G <= 8 (decode with G <= 8) the split kernel's THREAD_ROWS = 1 instantiation
  *   runs: every consumer thread's second row (8 rows below its first) is then padding, and only its
  *   first row's softmax is computed (the same per-row function: block_scores).
- * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 x (K, V)
- * 128 / 64 KB + row states' o 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 3 x (K, V) 96 / 48 KB;
- * + 1 KB in which the mbarriers sit and the tiles align to 1024 bytes. Registers (ptxas, sm_90a, no
- * spills): prefill 168 at entry (consumers then 224 and use 221 of them; producer 48), split 128
- * (consumer 208, uses 172), combine 136.
+ * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 stages of
+ * K or V 128 / 64 KB + row states' o 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 4 or 3 stages
+ * 128 or 96 / 64 or 48 KB; + 1 KB in which the mbarriers sit and the tiles align to 1024 bytes.
+ * Registers (ptxas, sm_90a, no spills): prefill 168 at entry (consumers then 224; producer 48), split
+ * one an SM 240, two an SM 128 (consumer 208), combine 136.
  * Speed, what limits it and what was tried: docs/perf-notes.md ("Attention forward on wgmma");
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
@@ -69,7 +76,7 @@
  *     kernels' source too) are each one function, every product and sum in them an explicitly
  *     rounded intrinsic (no contraction choice left to the compiler), exp2 is ex2.approx.ftz;
  *   - a row's S and P V are wgmma m64 chains in one fixed order (S: the head_dim k16 steps from
- *     zero, N = 64; P V: the block's 4 key k16 steps onto the rescaled acc, N = head_dim) in both
+ *     zero, N = 128; P V: the block's 8 key k16 steps onto the rescaled acc, N = head_dim) in both
  *     schedules; a wgmma row depends only on its own A row, so the rows packed beside it (other
  *     queries, other heads, padding, the other warpgroup) do not matter; the row max/sum combine only
  *     the row's own values (the thread's columns in a fixed order, then quad shuffles xor 1, xor 2);
@@ -109,7 +116,12 @@
 
 namespace {
 
-static_assert(BLOCK_N == 64, "the kernels' key tiles are 64 keys (wgmma n64 for S, 4 k16 steps of P V)");
+static_assert(BLOCK_N == 64, "the backward's key and query tiles are 64 rows (wgmma n64 for S, 4 k16 steps of P V)");
+/* The forward's key block, the contract's fold unit on sm90: 128 keys (wgmma n128 for S, 8 k16 steps of
+ * P V): half the per-key row work of 64-key blocks, and half the blocks in a decode segment's
+ * sequential chain. sm80 and the CPU reference fold BLOCK_N = 64 keys; each backend's bits are its own. */
+constexpr int FWD_KEYS = 2 * BLOCK_N;
+static_assert(SEGMENT % FWD_KEYS == 0, "a segment is whole forward blocks");
 
 constexpr int TILE_ALIGN = 1024; /* 128-byte swizzle atoms: 8 rows x 128 bytes */
 /* split schedule: up to this many segments (caches up to 4k keys) merge in the split kernel's
@@ -140,7 +152,8 @@ __device__ __forceinline__ uint32_t first_tile(uint32_t barriers, int barrier_by
  * MN-major operand (V as B of P V: k = keys, n = head_dim): k16 step t = tile rows 16 t .. 16 t + 15,
  * 64-column boxes BLOCK_N * 128 bytes apart, 8-key groups 1024 bytes apart. */
 __device__ __forceinline__ SmemDesc k_major_desc(uint32_t rows) { return SmemDesc(rows, 16, 1024); }
-__device__ __forceinline__ SmemDesc mn_major_desc(uint32_t tile) { return SmemDesc(tile, BLOCK_N * 128, 1024); }
+template <int ROWS = BLOCK_N>
+__device__ __forceinline__ SmemDesc mn_major_desc(uint32_t tile) { return SmemDesc(tile, ROWS * 128, 1024); }
 
 template <uint32_t BOX>
 __device__ __forceinline__ uint32_t k_major_step(int kk) {
@@ -212,25 +225,25 @@ struct Ring {
  * S = Q K^T: one chain per score over the head_dim k16 steps in increasing order, from zero; q: the
  * warpgroup's 64 Q rows in a tile whose boxes are Q_BOX bytes apart; k: the block's K tile
  * (stage_bytes past the ring's). */
-template <bool BF16, int D, uint32_t Q_BOX>
-__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], const SmemDesc &q, const SmemDesc &k,
+template <bool BF16, int D, uint32_t Q_BOX, int KEYS = BLOCK_N>
+__device__ __forceinline__ void issue_scores(float (&s)[KEYS / 2], const SmemDesc &q, const SmemDesc &k,
                                              uint32_t stage_bytes) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_k16<BLOCK_N, BF16, 0, 0>(s, q.at(k_major_step<Q_BOX>(kk)),
-                                       k.at(stage_bytes + k_major_step<BLOCK_N * 128>(kk)), kk > 0);
+        wgmma_k16<KEYS, BF16, 0, 0>(s, q.at(k_major_step<Q_BOX>(kk)),
+                                    k.at(stage_bytes + k_major_step<KEYS * 128>(kk)), kk > 0);
 }
 
 /* The same S = Q K^T with Q as the register A operand (the forward): qa[kk], this thread's fragments of
  * the warpgroup's 64 Q rows for k16 step kk (load_q_fragments), so each wgmma reads only K from shared
  * memory and takes one descriptor. */
-template <bool BF16, int D>
-__device__ __forceinline__ void issue_scores_qreg(float (&s)[BLOCK_N / 2], const uint32_t (&qa)[D / 16][4],
+template <bool BF16, int D, int KEYS>
+__device__ __forceinline__ void issue_scores_qreg(float (&s)[KEYS / 2], const uint32_t (&qa)[D / 16][4],
                                                   const SmemDesc &k, uint32_t stage_bytes) {
     const SmemDesc stage = k.plus(stage_bytes);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_k16_rs<BLOCK_N, BF16, 0>(s, qa[kk], stage.at(k_major_step<BLOCK_N * 128>(kk)), kk > 0);
+        wgmma_k16_rs<KEYS, BF16, 0>(s, qa[kk], stage.at(k_major_step<KEYS * 128>(kk)), kk > 0);
 }
 
 /* This thread's A fragments of a warp's 16 rows (row0 ..) of a warpgroup's 64 x D Q slab in the box
@@ -247,21 +260,21 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[D / 16][4], uint
 /* acc += round(P) V over the block's 4 key k16 steps in order (pa: P's A fragments; v: the block's V
  * tile, stage_bytes past the ring's); fresh: the block starts a segment, whose acc starts from P V
  * (the first step's scale-d 0) instead of from zeroed registers. */
-template <bool BF16, int D>
-__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[BLOCK_N / 16][4], const SmemDesc &v,
+template <bool BF16, int D, int KEYS = BLOCK_N>
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[KEYS / 16][4], const SmemDesc &v,
                                          uint32_t stage_bytes, bool fresh = false) {
     const SmemDesc stage = v.plus(stage_bytes);
 #pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t)
+    for (int t = 0; t < KEYS / 16; ++t)
         wgmma_k16_rs<D, BF16, 1>(acc, pa[t], stage.at(t * 16 * 128), t > 0 || !fresh);
 }
 
 /* x (a 64 x 64 accumulator tile) rounded to the dtype as the A fragments of a product over its 64
  * columns: k16 step t is the accumulator columns 16 t .. 16 t + 15, the register A fragment layout */
-template <bool BF16>
-__device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], uint32_t (&a)[BLOCK_N / 16][4]) {
+template <bool BF16, int KEYS = BLOCK_N>
+__device__ __forceinline__ void to_a_fragments(const float (&x)[KEYS / 2], uint32_t (&a)[KEYS / 16][4]) {
 #pragma unroll
-    for (int t = 0; t < BLOCK_N / 16; ++t)
+    for (int t = 0; t < KEYS / 16; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) a[t][i] = pack_half2<BF16>(x[8 * t + 2 * i], x[8 * t + 2 * i + 1]);
 }
@@ -277,19 +290,19 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[BLOCK_N / 2], ui
  * x[4 j + 2 h + e]. THREAD_ROWS: 2, or 1 when only the warpgroup's first 8 rows hold queries (its
  * row h = 1 then gets p = 0 and keeps its state: update_rows). */
 template <int THREAD_ROWS>
-__device__ __forceinline__ void block_scores(float (&s)[BLOCK_N / 2], int lane, int key0, const int (&row_len)[2],
+__device__ __forceinline__ void block_scores(float (&s)[FWD_KEYS / 2], int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&alpha)[2]) {
     auto scores = [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; };
-    if (masked) mask_block<THREAD_ROWS>(lane, key0, row_len, scores);
-    update_rows<THREAD_ROWS>(st, c, scores, alpha);
+    if (masked) mask_block<THREAD_ROWS, FWD_KEYS>(lane, key0, row_len, scores);
+    update_rows<THREAD_ROWS, FWD_KEYS>(st, c, scores, alpha);
 }
 
 template <bool BF16, int D, int THREAD_ROWS>
-__device__ __forceinline__ void block_operands(const float (&s)[BLOCK_N / 2], const float (&alpha)[2],
-                                               float (&acc)[D / 2], uint32_t (&pa)[BLOCK_N / 16][4], bool fresh) {
+__device__ __forceinline__ void block_operands(const float (&s)[FWD_KEYS / 2], const float (&alpha)[2],
+                                               float (&acc)[D / 2], uint32_t (&pa)[FWD_KEYS / 16][4], bool fresh) {
     if (!fresh)
         rescale_rows<D, THREAD_ROWS>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
-    to_a_fragments<BF16>(s, pa); /* every row: with THREAD_ROWS 1 the padding row's p is 0
+    to_a_fragments<BF16, FWD_KEYS>(s, pa); /* every row: with THREAD_ROWS 1 the padding row's p is 0
                                     (update_rows), so its fragments are zeros */
 }
 
@@ -313,30 +326,32 @@ __device__ __forceinline__ void load_q_slab_async(uint32_t q_slab, const FwdPara
  * the ring ((K, V) per stage) and (prefill) the row states' o; the barriers live in the
  * alignment slack (the dynamic shared memory starts 1024-aligned in practice; the kernel traps if it
  * ever did not leave them room). */
-template <int D, bool SPLIT>
+template <int D, bool SPLIT, int SPLIT_CTAS = 2>
 struct FwdTiles {
     static constexpr int WARPGROUPS = SPLIT ? 1 : 2;
     static constexpr int ROWS = 64 * WARPGROUPS;
     static constexpr int CONSUMER_THREADS = 128 * WARPGROUPS;
     static constexpr int THREADS = CONSUMER_THREADS + 128;
-    static constexpr int STAGES = SPLIT ? 3 : 4;
-    static constexpr int KV_BYTES = BLOCK_N * D * 2; /* one K or V block */
+    /* ring items: K of a block, then its V. A split CTA alone on its SM takes 4 stages and Q in registers
+     * (the shortest chain per block: B = 1); two an SM take 3 stages and read Q from their slab */
+    static constexpr int STAGES = SPLIT && SPLIT_CTAS == 2 ? 3 : 4;
+    static constexpr bool Q_IN_SMEM = SPLIT && SPLIT_CTAS == 2;
+    static constexpr int KV_BYTES = FWD_KEYS * D * 2; /* one K or V block */
     static constexpr int Q_SLAB_BYTES = 64 * D * 2; /* a consumer warpgroup's 64 Q rows */
     static constexpr int Q_BYTES = WARPGROUPS * Q_SLAB_BYTES;
-    static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;
+    static constexpr int RING_BYTES = STAGES * KV_BYTES;
     /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
      * segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
     /* the ring's 2 STAGES mbarriers, tile_free, tile_ready[2], split: merge (merge_in_cluster) */
     static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + (SPLIT ? 4 : 3) * 8;
     static constexpr int SMEM_BYTES = TILE_ALIGN + Q_BYTES + RING_BYTES + O_BYTES;
-    static constexpr int MIN_CTAS = SPLIT ? 2 : 1;
+    static constexpr int MIN_CTAS = SPLIT ? SPLIT_CTAS : 1;
     /* prefill: one CTA per SM takes tile after tile (launch_fwd); split: a CTA per tile */
     static constexpr bool PERSISTENT = !SPLIT;
     static constexpr int ENTRY_REGS = (65536 / (THREADS * MIN_CTAS)) & ~7;
     static constexpr int PRODUCER_REGS = 48;
-    static constexpr int CONSUMER_REGS = (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7;
-    static_assert(CONSUMER_REGS <= 256, "setmaxnreg takes at most 256");
+    static constexpr int CONSUMER_REGS = std::min(240, (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7);
 };
 
 /* Split schedule in clusters (FwdParams::cluster_merge): the grid's segments of one (row tile, kv head,
@@ -363,36 +378,37 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, uint32_t me
 /* Pipeline, per CTA. The CTA takes tiles (rows of one (sequence, head) or, split, of one (sequence,
  * kv head, segment)) one after the other: a split CTA its blockIdx only; a prefill CTA tile blockIdx.x,
  * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
- * launch. Its 64-key blocks are the items of one ring stream across the tiles (tile n's relative
- * block t is item first + t). A prefill CTA's tile n is published by the producer's thread 0: once
+ * launch. Its blocks' K and V are the items of one ring stream across the tiles (tile n's relative
+ * block t: K is item first + 2 t, V item first + 2 t + 1). A prefill CTA's tile n is published by the producer's thread 0: once
  * tile n - 1 is free (tile_free: every warp has read its number) it writes the number (-1: no more
  * tiles) to the CTA's global slot n % 2 in the workspace and arrives on tile_ready[n % 2], on which
  * every thread waits before it reads.
  * (A global slot because compute-sanitizer racecheck does not follow the mbarriers' ordering for
  * shared-memory loads and stores; the mbarriers order the global slot the same way.)
- *   producer warpgroup: for each block j of the tile, waits until stage j % STAGES is free (empty
- *     barrier: every consumer warp has released the block that used it before), copies K and V of
- *     block j into it with cp.async (rows past k_len zero-filled, not read), and once they have
- *     landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives on
+ *   producer warpgroup: for each item j of the tile (K, then V, of each block), waits until stage
+ *     j % STAGES is free (empty barrier: every consumer warp has released the item that used it
+ *     before), copies the item into it with cp.async (rows past k_len zero-filled, not read), and
+ *     once they have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives on
  *     the stage's full barrier. So the next tile's first blocks load while the consumers finish and
  *     store the current one.
  *   consumer warpgroup, per tile: its Q rows (in flight since the previous tile's epilogue; the
- *     first tile's since its start) waited for, read into registers as fragments and the slab freed,
- *     both behind a warpgroup barrier (racecheck follows those; it does not follow mbarriers), then
- *     turns t = 0 .. blocks; turn t waits for block t to be full, then issues two commit groups: S
- *     of block t (its K), then P V of block t - 1 (its V). Once S has landed it runs the scores part
- *     of block t's update (max, alpha, p, l: block_scores) while that P V is still on the tensor
- *     cores; once P V has landed it releases block t - 1, merges a finished segment into the row
+ *     first tile's since its start) waited for, read into registers as fragments and the slab freed
+ *     (split, two CTAs an SM: left in the slab, which S reads), both behind a warpgroup barrier
+ *     (racecheck follows those; it does not follow mbarriers), then turns t = 0 .. nb; turn t waits
+ *     for K(t) and V(t - 1), then issues two commit groups: S of block t, then P V of block t - 1.
+ *     Once S has landed it frees K(t) and runs the scores part of block t's update (max, alpha, p,
+ *     l: block_scores) while that P V is still on the tensor cores; once P V has landed it frees
+ *     V(t - 1), merges a finished segment into the row
  *     state, and rescales acc by block t's alpha (unless block t starts a segment: its P V then
  *     starts acc) and rounds P (block_operands), as the contract's order acc = alpha acc + P V
  *     wants. A warpgroup whose rows cannot see block t (nb <= t) issues nothing for it but still
- *     waits and releases, so the barriers' phases stay in step. The two consumer warpgroups run
- *     unsynchronized; their wgmmas and softmaxes interleave on their own (forced turn-taking with
- *     named barriers measured 6% slower). */
-template <bool BF16, int D, bool SPLIT, int THREAD_ROWS = 2>
-__global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT>::MIN_CTAS)
+ *     waits for and frees its K and V, so the barriers' phases stay in step. The two consumer
+ *     warpgroups run unsynchronized; their wgmmas and softmaxes interleave on their own (forced
+ *     turn-taking with named barriers measured 1-6% slower). */
+template <bool BF16, int D, bool SPLIT, int THREAD_ROWS = 2, int SPLIT_CTAS = 2>
+__global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTiles<D, SPLIT, SPLIT_CTAS>::MIN_CTAS)
     attention_fwd_kernel(const FwdParams p) {
-    using Tiles = FwdTiles<D, SPLIT>;
+    using Tiles = FwdTiles<D, SPLIT, SPLIT_CTAS>;
     static_assert(THREAD_ROWS == 2 || SPLIT, "one row per thread: a split tile of at most 8 rows (Forward::run)");
     constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
     constexpr int WARPGROUPS = Tiles::WARPGROUPS;
@@ -433,7 +449,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     auto ticket = [&]() { return (int)gridDim.x + atomicAdd(p.tile_counter, 1); };
     auto first_with_work = [&](int from) {
         FwdCta probe;
-        while (from < p.tiles && !fwd_cta<ROWS, SPLIT>(p, from, probe)) from = ticket();
+        while (from < p.tiles && !fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, from, probe)) from = ticket();
         return from < p.tiles ? from : -1;
     };
     volatile int *tile_slot = Tiles::PERSISTENT ? p.tile_counter + 1 + 2 * blockIdx.x : nullptr; /* + n % 2 */
@@ -442,7 +458,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
     auto tile_of = [&](int n, FwdCta &cta) {
         if constexpr (!Tiles::PERSISTENT) {
             const int tile = block_tile();
-            return n == 0 && fwd_cta<ROWS, SPLIT>(p, tile, cta) ? tile : -1;
+            return n == 0 && fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, tile, cta) ? tile : -1;
         }
         mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
         return __shfl_sync(0xffffffffu, tile_slot[n & 1], 0);
@@ -473,23 +489,26 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             const int tile = tile_of(n, cta);
             free_tile();
             if (tile < 0) break;
-            if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT>(p, tile, cta);
+            if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, tile, cta);
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
-            const int64_t thread_row = cta.range.k_start + cta.block_begin * BLOCK_N + ptid / (D / 8);
+            const int64_t thread_row = cta.range.k_start + cta.block_begin * FWD_KEYS + ptid / (D / 8);
             const int64_t thread_col = 8 * (ptid % (D / 8));
             const uint16_t *k_src = row_address(p.k, cta.b, thread_row, cta.kv_head) + thread_col;
             const uint16_t *v_src = row_address(p.v, cta.b, thread_row, cta.kv_head) + thread_col;
-            ring.produce(first, blocks, [&](int j, int s) {
-                const uint32_t dst = kv_ring + s * 2 * KV_BYTES;
-                const int keys_in = cta.range.k_len - (cta.block_begin + j) * BLOCK_N;
-                using KvRows = BoxSwizzle<BLOCK_N>;
-                load_thread_rows_async<D, BLOCK_N, 128, KvRows>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
-                load_thread_rows_async<D, BLOCK_N, 128, KvRows>(dst + KV_BYTES, v_src, p.v.row_stride, keys_in, p.v.data,
-                                                                ptid);
-                k_src += BLOCK_N * p.k.row_stride;
-                v_src += BLOCK_N * p.v.row_stride;
+            /* item 2 j: K of block j, item 2 j + 1: its V */
+            ring.produce(first, 2 * blocks, [&](int j, int s) {
+                const uint32_t dst = kv_ring + s * KV_BYTES;
+                const int keys_in = cta.range.k_len - (cta.block_begin + j / 2) * FWD_KEYS;
+                using KvRows = BoxSwizzle<FWD_KEYS>;
+                if (j % 2 == 0) {
+                    load_thread_rows_async<D, FWD_KEYS, 128, KvRows>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
+                    k_src += FWD_KEYS * p.k.row_stride;
+                } else {
+                    load_thread_rows_async<D, FWD_KEYS, 128, KvRows>(dst, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
+                    v_src += FWD_KEYS * p.v.row_stride;
+                }
             });
-            first += blocks;
+            first += 2 * blocks;
         }
     } else {
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of each tile */
@@ -497,13 +516,13 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         const int wg_row0 = wg * 64;
         const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
         float *o_state = (float *)(smem_raw + (kv_ring + Tiles::RING_BYTES - full_bar)) + tid;
-        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc(kv_ring + KV_BYTES);
-        float s[BLOCK_N / 2], alpha[2], acc[D / 2];
-        uint32_t pa[BLOCK_N / 16][4], qa[D / 16][4];
+        const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc<FWD_KEYS>(kv_ring);
+        float s[FWD_KEYS / 2], alpha[2], acc[D / 2];
+        uint32_t pa[FWD_KEYS / 16][4], qa[D / 16][4];
 #pragma unroll
-        for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.0f;
+        for (int i = 0; i < FWD_KEYS / 2; ++i) s[i] = 0.0f;
 #pragma unroll
-        for (int t = 0; t < BLOCK_N / 16; ++t)
+        for (int t = 0; t < FWD_KEYS / 16; ++t)
 #pragma unroll
             for (int i = 0; i < 4; ++i) pa[t][i] = 0u;
         /* keeps the registers of in-flight wgmmas (pa too: P V reads it) live and in place */
@@ -511,9 +530,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             fence_accumulators(acc);
             fence_accumulators(s);
 #pragma unroll
-            for (int i = 0; i < BLOCK_N / 16; ++i) fence_operands(pa[i]);
+            for (int i = 0; i < FWD_KEYS / 16; ++i) fence_operands(pa[i]);
+            if constexpr (!Tiles::Q_IN_SMEM)
 #pragma unroll
-            for (int i = 0; i < D / 16; ++i) fence_operands(qa[i]);
+                for (int i = 0; i < D / 16; ++i) fence_operands(qa[i]);
         };
 
         /* the warpgroup's own Q slab: it copies its rows in and reads them out itself, ordered by its
@@ -523,7 +543,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         auto start_tile = [&](int n, FwdCta &cta) {
             const int tile = tile_of(n, cta);
             if (tile >= 0) {
-                if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT>(p, tile, cta);
+                if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, tile, cta);
                 load_q_slab_async<D>(q_slab, p, cta, wg_row0, tid & 127);
                 cp_async_commit();
             }
@@ -536,8 +556,9 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             /* Q's fragments once every thread's rows have landed; the slab free again (second barrier)
              * and the tile's number read: free_tile */
             cp_async_wait<0>();
+            if constexpr (Tiles::Q_IN_SMEM) fence_proxy_async_smem(); /* S reads Q from the slab */
             warpgroup_sync(1 + wg);
-            load_q_fragments<D>(qa, q_slab, 16 * warp_in_wg, lane);
+            if constexpr (!Tiles::Q_IN_SMEM) load_q_fragments<D>(qa, q_slab, 16 * warp_in_wg, lane);
             warpgroup_sync(1 + wg);
             free_tile();
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
@@ -546,7 +567,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             const int wg_min_len = wg_has_rows ? cta.len_of(wg_row0) : 0;
             /* the blocks it attends: those with a key its last row sees, a prefix of the tile's blocks */
             const int nb = __shfl_sync(0xffffffffu,
-                                       min(blocks, max(0, (wg_max_len + BLOCK_N - 1) / BLOCK_N - cta.block_begin)), 0);
+                                       min(blocks, max(0, (wg_max_len + FWD_KEYS - 1) / FWD_KEYS - cta.block_begin)), 0);
             int row_len[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -563,21 +584,25 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
                 for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
             }
 
-            /* turn t: wait for block t (t < blocks), issue, wait for the wgmmas, release block t - 1 */
-            auto wait_full = [&](int t) {
-                if (t < blocks) ring.wait_full(first + t);
+            /* S of block t: Q as registers (prefill), or from its slab (split: two CTAs an SM leave no
+             * registers for it); the same wgmma per score either way */
+            auto issue_s = [&](uint32_t k_stage) {
+                if constexpr (Tiles::Q_IN_SMEM)
+                    issue_scores<BF16, D, 64 * 128, FWD_KEYS>(s, k_major_desc(q_slab), k_desc, k_stage);
+                else
+                    issue_scores_qreg<BF16, D, FWD_KEYS>(s, qa, k_desc, k_stage);
             };
-            auto release = [&](int t) {
-                if (t >= 1) ring.release(first + t - 1, lane);
-            };
-            auto stage_bytes = [&](int t) { return (uint32_t)(((first + t) % STAGES) * 2 * KV_BYTES); };
+            /* ring items of block t: its K, then its V */
+            auto k_item = [&](int t) { return first + 2 * t; };
+            auto v_item = [&](int t) { return first + 2 * t + 1; };
+            auto stage_bytes = [&](uint32_t item) { return (uint32_t)((item % STAGES) * KV_BYTES); };
             auto scores = [&](int t) {
-                const int key0 = (cta.block_begin + t) * BLOCK_N;
-                block_scores<THREAD_ROWS>(s, lane, key0, row_len, key0 + BLOCK_N > wg_min_len, p.scale_log2, seg,
+                const int key0 = (cta.block_begin + t) * FWD_KEYS;
+                block_scores<THREAD_ROWS>(s, lane, key0, row_len, key0 + FWD_KEYS > wg_min_len, p.scale_log2, seg,
                                           alpha);
             };
             /* prefill: block t starts a segment, so the one before it ended one */
-            auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % BLOCKS_PER_SEGMENT == 0; };
+            auto starts_segment = [&](int t) { return !SPLIT && (cta.block_begin + t) % (SEGMENT / FWD_KEYS) == 0; };
             /* prefill: merges an ended segment (its m and l in `ended`, its acc) into the row state;
              * the next segment's first P V overwrites acc (issue_pv's fresh) */
             auto merge_ended = [&](const RowPair &ended) {
@@ -591,59 +616,64 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
             int t = 0;
             if (nb > 0) {
                 /* turn 0: S of block 0 */
-                wait_full(0);
+                ring.wait_full(k_item(0));
                 fence_registers();
                 wgmma_fence();
-                issue_scores_qreg<BF16, D>(s, qa, k_desc, stage_bytes(0));
+                issue_s(stage_bytes(k_item(0)));
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers();
+                ring.release(k_item(0), lane);
                 scores(0);
                 block_operands<BF16, D, THREAD_ROWS>(s, alpha, acc, pa, true);
                 bool fresh = true; /* the last scored block starts a segment: its P V starts acc */
                 /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
                  * softmax runs while that P V is on the tensor cores */
                 for (t = 1; t < nb; ++t) {
-                    wait_full(t);
+                    ring.wait_full(k_item(t));
+                    ring.wait_full(v_item(t - 1));
                     fence_registers();
                     wgmma_fence();
-                    issue_scores_qreg<BF16, D>(s, qa, k_desc, stage_bytes(t));
+                    issue_s(stage_bytes(k_item(t)));
                     wgmma_commit();
-                    issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(t - 1), fresh);
+                    issue_pv<BF16, D, FWD_KEYS>(acc, pa, v_desc, stage_bytes(v_item(t - 1)), fresh);
                     wgmma_commit();
                     wgmma_wait<1>();
                     fence_accumulators(s);
+                    ring.release(k_item(t), lane);
                     const RowPair ended = seg;
                     const bool new_segment = starts_segment(t);
                     if (new_segment) set_empty(seg);
                     scores(t);
                     wgmma_wait<0>();
                     fence_registers();
-                    release(t);
+                    ring.release(v_item(t - 1), lane);
                     if (new_segment) merge_ended(ended);
                     block_operands<BF16, D, THREAD_ROWS>(s, alpha, acc, pa, new_segment);
                     fresh = new_segment;
                 }
                 /* turn nb: P V of the last block */
-                wait_full(nb);
+                ring.wait_full(v_item(nb - 1));
                 fence_registers();
                 wgmma_fence();
-                issue_pv<BF16, D>(acc, pa, v_desc, stage_bytes(nb - 1), fresh);
+                issue_pv<BF16, D, FWD_KEYS>(acc, pa, v_desc, stage_bytes(v_item(nb - 1)), fresh);
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers();
-                release(nb);
-                t = nb + 1; /* prefill: the last segment merges in the epilogue, below */
+                ring.release(v_item(nb - 1), lane);
+                t = nb; /* prefill: the last segment merges in the epilogue, below */
             } else if constexpr (SPLIT) {
 #pragma unroll
                 for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f; /* the record of a segment it cannot see */
             }
             /* the blocks its rows cannot see: keep the barriers' phases in step */
-            for (; t <= blocks; ++t) {
-                wait_full(t);
-                release(t);
+            for (; t < blocks; ++t) {
+                ring.wait_full(k_item(t));
+                ring.release(k_item(t), lane);
+                ring.wait_full(v_item(t));
+                ring.release(v_item(t), lane);
             }
-            first += blocks;
+            first += 2 * blocks;
             /* the next tile's Q rows load under this one's epilogue */
             FwdCta next_cta;
             const int next = start_tile(n + 1, next_cta);
@@ -1062,6 +1092,12 @@ __global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_kernel(
 
 /* ------------------------------------ host -------------------------------------------------- */
 
+/* The tile plans launch_fwd takes: split CTAs two an SM, or one (a grid of at most one wave of them) */
+template <int D, bool SPLIT>
+using FwdTilesTwoPerSm = FwdTiles<D, SPLIT, 2>;
+template <int D, bool SPLIT>
+using FwdTilesOnePerSm = FwdTiles<D, SPLIT, 1>;
+
 template <bool BF16, int D>
 struct Forward {
     static constexpr int64_t prefill_workspace_bytes() {
@@ -1071,7 +1107,19 @@ struct Forward {
         /* a split tile's rows are (query, head in group) pairs: when they are at most 8, every
          * consumer thread's second row is padding and the kernel computes the first alone */
         const bool eight_rows = a->max_q_len * (a->heads_q / a->heads_kv) <= 8;
-        return launch_fwd<BF16, D, FwdTiles>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
+        /* a split grid that fits one CTA an SM runs alone on each: the same S per score (Q in registers
+         * or from shared memory, the tests compare them), its per-block chain shortest */
+        int device, sms;
+        const cudaError_t err = current_device(&device, &sms);
+        if (err != cudaSuccess) return (int)err;
+        const int64_t split_tiles = split_segments(a) * a->heads_kv * a->batch *
+                                    ((a->max_q_len * (a->heads_q / a->heads_kv) + SPLIT_ROWS - 1) / SPLIT_ROWS);
+        if (schedule == SCHEDULE_SPLIT && split_tiles <= sms)
+            return launch_fwd<BF16, D, FwdTilesOnePerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
+                                                     eight_rows ? attention_fwd_kernel<BF16, D, true, 1, 1>
+                                                                : attention_fwd_kernel<BF16, D, true, 2, 1>,
+                                                     true, MERGE_CLUSTER_MAX);
+        return launch_fwd<BF16, D, FwdTilesTwoPerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
                                             eight_rows ? attention_fwd_kernel<BF16, D, true, 1>
                                                        : attention_fwd_kernel<BF16, D, true>,
                                             true, MERGE_CLUSTER_MAX);
