@@ -11,12 +11,13 @@
  *     blockIdx.x, then tickets from an atomic counter, in the order of the heaviest causal tiles
  *     first): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a producer warpgroup
  *     (setmaxnreg: 48 registers, consumers 224) that streams each tile's blocks of 128 keys with
- *     cp.async into a 4-stage ring completing on mbarriers (full: the producer's copies have landed
- *     and were fenced for the tensor cores; empty: every consumer warp is done with the stage), one
- *     stream across the tiles, so the next tile's first blocks load while the consumers finish the
- *     current one. A block's K and its V are separate ring items (32 KB each at d = 128): K(t) is
- *     freed once S of block t has read it, so K(t + 1) loads while the consumers still hold V(t - 1). Each consumer warpgroup copies its own 64 Q rows into its own slab of
- *     the Q tile, the next tile's under the current one's epilogue.
+ *     cp.async into a 4-stage ring completing on mbarriers (full: the producer's copies have landed and
+ *     were fenced for the tensor cores; empty: every consumer warp is done with the stage), one stream
+ *     across the tiles, so the next tile's first blocks load while the consumers finish the current
+ *     one. A block's K and its V are separate ring items (32 KB each at d = 128): K(t) is freed once S
+ *     of block t has read it, so K(t + 1) loads while the consumers still hold V(t - 1). Each consumer
+ *     warpgroup copies its own 64 Q rows into its own slab of the Q tile, the next tile's under the
+ *     current one's epilogue.
  *     Every tile is stored in the wgmma 128-byte swizzle (boxes of rows x 64 elements, 16-byte chunk c
  *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n128k16 over
  *     head_dim; Q as the register A operand, its fragments read from the slab once per tile by
@@ -379,18 +380,18 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, uint32_t me
  * kv head, segment)) one after the other: a split CTA its blockIdx only; a prefill CTA tile blockIdx.x,
  * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
  * launch. Its blocks' K and V are the items of one ring stream across the tiles (tile n's relative
- * block t: K is item first + 2 t, V item first + 2 t + 1). A prefill CTA's tile n is published by the producer's thread 0: once
- * tile n - 1 is free (tile_free: every warp has read its number) it writes the number (-1: no more
- * tiles) to the CTA's global slot n % 2 in the workspace and arrives on tile_ready[n % 2], on which
- * every thread waits before it reads.
+ * block t: K is item first + 2 t, V item first + 2 t + 1). A prefill CTA's tile n is published by the
+ * producer's thread 0: once tile n - 1 is free (tile_free: every warp has read its number) it writes
+ * the number (-1: no more tiles) to the CTA's global slot n % 2 in the workspace and arrives on
+ * tile_ready[n % 2], on which every thread waits before it reads.
  * (A global slot because compute-sanitizer racecheck does not follow the mbarriers' ordering for
  * shared-memory loads and stores; the mbarriers order the global slot the same way.)
  *   producer warpgroup: for each item j of the tile (K, then V, of each block), waits until stage
  *     j % STAGES is free (empty barrier: every consumer warp has released the item that used it
- *     before), copies the item into it with cp.async (rows past k_len zero-filled, not read), and
- *     once they have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them) arrives on
- *     the stage's full barrier. So the next tile's first blocks load while the consumers finish and
- *     store the current one.
+ *     before), copies the item into it with cp.async (rows past k_len zero-filled, not read), and once
+ *     they have landed (cp.async.wait_group, then fence.proxy.async so the tensor cores see them)
+ *     arrives on the stage's full barrier. So the next tile's first blocks load while the consumers
+ *     finish and store the current one.
  *   consumer warpgroup, per tile: its Q rows (in flight since the previous tile's epilogue; the
  *     first tile's since its start) waited for, read into registers as fragments and the slab freed
  *     (split, two CTAs an SM: left in the slab, which S reads), both behind a warpgroup barrier
