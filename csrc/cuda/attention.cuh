@@ -613,6 +613,11 @@ FwdSchedule pick_schedule(const rlk_attention_args *a, int forced) {
 
 int64_t split_segments(const rlk_attention_args *a) { return (a->max_k_len + SEGMENT - 1) / SEGMENT; }
 
+/* The split schedule's row tiles per (kv head, sequence): SPLIT_ROWS (query, head in group) rows each. */
+int64_t split_row_tiles(const rlk_attention_args *a) {
+    return (a->max_q_len * (a->heads_q / a->heads_kv) + SPLIT_ROWS - 1) / SPLIT_ROWS;
+}
+
 int64_t split_workspace_bytes(const rlk_attention_args *a) {
     return a->batch * a->max_q_len * a->heads_q * split_segments(a) * (a->head_dim + 4) * (int64_t)sizeof(float);
 }
@@ -694,7 +699,7 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
         return (int)cudaGetLastError();
     }
     using SplitTiles = Tiles<D, true>;
-    const int64_t row_tiles = (a->max_q_len * p.group + SplitTiles::ROWS - 1) / SplitTiles::ROWS;
+    const int64_t row_tiles = split_row_tiles(a);
     if (row_tiles * a->heads_kv > 65535) return RLK_UNSUPPORTED;
     p.grid_x = p.num_segments;
     p.grid_y = (int)(row_tiles * a->heads_kv);

@@ -85,7 +85,7 @@
 extern "C" {
 #endif
 
-#define RLK_ATTENTION_BLOCK_N 64  /* keys per block (cpu, sm80; sm90 folds two at a time) */
+#define RLK_ATTENTION_BLOCK_N 64  /* keys per block on cpu and sm80 (sm90's forward: 128) */
 #define RLK_ATTENTION_SEGMENT 512 /* keys per segment (a multiple of RLK_ATTENTION_BLOCK_N) */
 #define RLK_ATTENTION_RESCALE_THRESHOLD 8.0f /* log2 units: m moves when a score beats it by 2^8 */
 

@@ -151,7 +151,7 @@ __device__ __forceinline__ uint32_t first_tile(uint32_t barriers, int barrier_by
  * apart; k16 step kk of head_dim at box kk / 4, 32 bytes per k16 inside the 128-byte row; 8-row
  * groups 1024 bytes apart.
  * MN-major operand (V as B of P V: k = keys, n = head_dim): k16 step t = tile rows 16 t .. 16 t + 15,
- * 64-column boxes BLOCK_N * 128 bytes apart, 8-key groups 1024 bytes apart. */
+ * 64-column boxes ROWS * 128 bytes apart (ROWS: the tile's keys), 8-key groups 1024 bytes apart. */
 __device__ __forceinline__ SmemDesc k_major_desc(uint32_t rows) { return SmemDesc(rows, 16, 1024); }
 template <int ROWS = BLOCK_N>
 __device__ __forceinline__ SmemDesc mn_major_desc(uint32_t tile) { return SmemDesc(tile, ROWS * 128, 1024); }
@@ -1110,12 +1110,14 @@ struct Forward {
         const bool eight_rows = a->max_q_len * (a->heads_q / a->heads_kv) <= 8;
         /* a split grid that fits one CTA an SM runs alone on each: the same S per score (Q in registers
          * or from shared memory, the tests compare them), its per-block chain shortest */
-        int device, sms;
-        const cudaError_t err = current_device(&device, &sms);
-        if (err != cudaSuccess) return (int)err;
-        const int64_t split_tiles = split_segments(a) * a->heads_kv * a->batch *
-                                    ((a->max_q_len * (a->heads_q / a->heads_kv) + SPLIT_ROWS - 1) / SPLIT_ROWS);
-        if (schedule == SCHEDULE_SPLIT && split_tiles <= sms)
+        bool one_per_sm = false;
+        if (schedule == SCHEDULE_SPLIT) {
+            int device, sms;
+            const cudaError_t err = current_device(&device, &sms);
+            if (err != cudaSuccess) return (int)err;
+            one_per_sm = split_segments(a) * split_row_tiles(a) * a->heads_kv * a->batch <= sms;
+        }
+        if (one_per_sm)
             return launch_fwd<BF16, D, FwdTilesOnePerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
                                                      eight_rows ? attention_fwd_kernel<BF16, D, true, 1, 1>
                                                                 : attention_fwd_kernel<BF16, D, true, 2, 1>,
