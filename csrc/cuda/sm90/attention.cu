@@ -20,8 +20,8 @@
  *     current one's epilogue.
  *     Every tile is stored in the wgmma 128-byte swizzle (boxes of rows x 64 elements, 16-byte chunk c
  *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n128k16 over
- *     head_dim; Q as the register A operand, its fragments read from the slab once per tile by
- *     ldmatrix; K from shared memory, K-major), the online-softmax update in registers, then
+ *     head_dim; Q from its slab and K from its stage, both in shared memory, K-major), the
+ *     online-softmax update in registers, then
  *     acc = alpha acc + P V (wgmma m64n{d}k16 with P rounded to the dtype as the register A operand
  *     and V as an MN-major B operand). A consumer issues S of block t and then P V of block t - 1 as
  *     two wgmma groups and runs block t's softmax while that P V is still running; the two consumers
@@ -334,15 +334,17 @@ struct FwdTiles {
     static constexpr int CONSUMER_THREADS = 128 * WARPGROUPS;
     static constexpr int THREADS = CONSUMER_THREADS + 128;
     /* ring items: K of a block, then its V. A split CTA alone on its SM takes 4 stages and Q in registers
-     * (the shortest chain per block: B = 1); two an SM take 3 stages and read Q from their slab */
+     * (the shortest chain per block: B = 1); two an SM take 3 stages. Those and the prefill read Q from
+     * its slab: its 32 registers a consumer thread are worth more to the prefill's loop (1-2% faster)
+     * than the shorter S chain, and two split CTAs an SM have no registers left for it */
     static constexpr int STAGES = SPLIT && SPLIT_CTAS == 2 ? 3 : 4;
-    static constexpr bool Q_IN_SMEM = SPLIT && SPLIT_CTAS == 2;
+    static constexpr bool Q_IN_SMEM = !SPLIT || SPLIT_CTAS == 2;
     static constexpr int KV_BYTES = FWD_KEYS * D * 2; /* one K or V block */
     static constexpr int Q_SLAB_BYTES = 64 * D * 2; /* a consumer warpgroup's 64 Q rows */
     static constexpr int Q_BYTES = WARPGROUPS * Q_SLAB_BYTES;
     static constexpr int RING_BYTES = STAGES * KV_BYTES;
-    /* prefill: the row states' o (fp32, D / 2 per consumer thread, [element][thread]), touched only at
-     * segment ends, so they do not take registers from the pipeline */
+    /* prefill: the row states' o (fp32, D / 2 per consumer thread, float4s [row][column quad][thread]),
+     * touched only at segment ends, so they do not take registers from the pipeline */
     static constexpr int O_BYTES = SPLIT ? 0 : CONSUMER_THREADS * (D / 2) * 4;
     /* the ring's 2 STAGES mbarriers, tile_free, tile_ready[2], split: merge (merge_in_cluster) */
     static constexpr int BARRIER_BYTES = 2 * STAGES * 8 + (SPLIT ? 4 : 3) * 8;
@@ -393,8 +395,8 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, uint32_t me
  *     arrives on the stage's full barrier. So the next tile's first blocks load while the consumers
  *     finish and store the current one.
  *   consumer warpgroup, per tile: its Q rows (in flight since the previous tile's epilogue; the
- *     first tile's since its start) waited for, read into registers as fragments and the slab freed
- *     (split, two CTAs an SM: left in the slab, which S reads), both behind a warpgroup barrier
+ *     first tile's since its start) waited for, left in the slab, which S reads (split alone on its SM:
+ *     read into registers as fragments and the slab freed), both behind a warpgroup barrier
  *     (racecheck follows those; it does not follow mbarriers), then turns t = 0 .. nb; turn t waits
  *     for K(t) and V(t - 1), then issues two commit groups: S of block t, then P V of block t - 1.
  *     Once S has landed it frees K(t) and runs the scores part of block t's update (max, alpha, p,
@@ -516,7 +518,12 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
         const int wg_row0 = wg * 64;
         const int thread_row0 = wg_row0 + 16 * warp_in_wg + (lane >> 2); /* + 8 h */
-        float *o_state = (float *)(smem_raw + (kv_ring + Tiles::RING_BYTES - full_bar)) + tid;
+        /* prefill: the row state's o, [row h][column quad][consumer thread] float4s: o of row h's column
+         * pair j, element e at o_at(h, j, e), so that a row's columns load and store 16 bytes at a time */
+        float4 *const o_state = (float4 *)(smem_raw + (kv_ring + Tiles::RING_BYTES - full_bar)) + tid;
+        auto o_at = [&](int h, int j, int e) -> float & {
+            return ((float *)&o_state[(h * (D / 16) + j / 2) * Tiles::CONSUMER_THREADS])[2 * (j % 2) + e];
+        };
         const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc<FWD_KEYS>(kv_ring);
         float s[FWD_KEYS / 2], alpha[2], acc[D / 2];
         uint32_t pa[FWD_KEYS / 16][4], qa[D / 16][4];
@@ -576,17 +583,16 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
                 row_len[h] = r < cta.rows_in ? cta.len_of(r) : 0;
             }
 
-            RowPair seg, row; /* prefill: row is the row state the segments merge into; its o[i] at
-                                 o_state[i * CONSUMER_THREADS] */
+            RowPair seg, row; /* prefill: row is the row state the segments merge into; its o at o_at */
             set_empty(seg);
             set_empty(row);
             if constexpr (!SPLIT) {
 #pragma unroll
-                for (int i = 0; i < D / 2; ++i) o_state[i * Tiles::CONSUMER_THREADS] = 0.0f;
+                for (int i = 0; i < D / 8; ++i) o_state[i * Tiles::CONSUMER_THREADS] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
 
-            /* S of block t: Q as registers (prefill), or from its slab (split: two CTAs an SM leave no
-             * registers for it); the same wgmma per score either way */
+            /* S of block t: Q from its slab, or as registers (split alone on its SM); the same wgmma
+             * per score either way */
             auto issue_s = [&](uint32_t k_stage) {
                 if constexpr (Tiles::Q_IN_SMEM)
                     issue_scores<BF16, D, 64 * 128, FWD_KEYS>(s, k_major_desc(q_slab), k_desc, k_stage);
@@ -610,7 +616,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
                 if constexpr (!SPLIT)
                     merge_segment_rows<D>(
                         row, ended,
-                        [&](int h, int j, int e) -> float & { return o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS]; },
+                        o_at,
                         [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; }, p.scale_log2);
             };
 
@@ -701,7 +707,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
                     for (int j = 0; j < D / 8; ++j)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            o_row[2 * j + e] = o_state[(4 * j + 2 * h + e) * Tiles::CONSUMER_THREADS];
+                            o_row[2 * j + e] = o_at(h, j, e);
                             acc_row[2 * j + e] = acc[4 * j + 2 * h + e];
                         }
                     if (nb > 0) merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
