@@ -424,8 +424,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
     const uint32_t kv_ring = q_tile + Tiles::Q_BYTES; /* stage j: K at + 2 j KV_BYTES, V after it */
     if (kv_ring + Tiles::RING_BYTES + Tiles::O_BYTES > full_bar + Tiles::SMEM_BYTES) __trap();
 
-    /* wg, tile, blocks and nb are broadcast from lane 0 (__shfl_sync) so that the compiler knows them
-     * warp-uniform: the turn loop's stage offsets and wgmma descriptors then live in uniform registers */
+    /* wg, tile, blocks and nb are broadcast from lane 0 (__shfl_sync), so that a warp's lanes agree on
+     * them by construction (the result is still a vector register to the compiler: see first_u) */
     const int tid = threadIdx.x, lane = tid & 31, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int warp_in_wg = (tid >> 5) & 3;
     /* the combine kernel may launch now; it waits for this grid's end before it reads (launch_fwd) */
@@ -599,9 +599,14 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
                 else
                     issue_scores_qreg<BF16, D, FWD_KEYS>(s, qa, k_desc, k_stage);
             };
-            /* ring items of block t: its K, then its V */
-            auto k_item = [&](int t) { return first + 2 * t; };
-            auto v_item = [&](int t) { return first + 2 * t + 1; };
+            /* ring items of block t: its K, then its V. `first` is the same in every lane, but carried
+             * across tiles it sits in a vector register, and every stage offset and wgmma descriptor
+             * derived from it went to its HGMMA through R2UR (106 in the prefill kernel at d = 128);
+             * REDUX writes a uniform register, so derived from first_u they are built in uniform
+             * registers (35 R2UR left, none in the turn loop) */
+            const uint32_t first_u = __reduce_max_sync(0xffffffffu, first);
+            auto k_item = [&](int t) { return first_u + 2 * t; };
+            auto v_item = [&](int t) { return first_u + 2 * t + 1; };
             auto stage_bytes = [&](uint32_t item) { return (uint32_t)((item % STAGES) * KV_BYTES); };
             auto scores = [&](int t) {
                 const int key0 = (cta.block_begin + t) * FWD_KEYS;
