@@ -24,8 +24,10 @@
  *     online-softmax update in registers, then
  *     acc = alpha acc + P V (wgmma m64n{d}k16 with P rounded to the dtype as the register A operand
  *     and V as an MN-major B operand). A consumer issues S of block t and then P V of block t - 1 as
- *     two wgmma groups and runs block t's softmax while that P V is still running; the two consumers
- *     are not synchronized with each other, so one's softmax also runs under the other's wgmmas. At
+ *     two wgmma groups, then runs block t's softmax. The source orders that softmax before the wait
+ *     for P V, but ptxas hoists the wait above it; forcing it back measured no faster (perf-notes).
+ *     The two consumers are not synchronized with each other, so one's softmax runs under the other's
+ *     wgmmas. At
  *     each segment end the warpgroup merges the segment state into the row state (its o kept in
  *     shared memory, touched only there) and restarts the segment from empty; after its last block it
  *     normalizes and writes out and lse. A warpgroup skips the blocks none of its rows can see (the
@@ -280,8 +282,8 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[KEYS / 2], uint3
         for (int i = 0; i < 4; ++i) a[t][i] = pack_half2<BF16>(x[8 * t + 2 * i], x[8 * t + 2 * i + 1]);
 }
 
-/* The contract's block update between S and P V, for one warpgroup's 64 rows, in two parts so that
- * the first runs while the previous block's P V is still on the tensor cores:
+/* The contract's block update between S and P V, for one warpgroup's 64 rows, in two parts, the
+ * first ordered before the wait for the previous block's P V (ptxas may hoist that wait):
  * block_scores: masks s, updates the state (m, l) and turns s into p (alpha: the rows' rescale);
  * block_operands (once that P V has landed): acc = alpha acc (not for a segment's first block,
  * fresh: its P V starts acc, issue_pv), and round(P) as the A fragments of the next P V. key0: the
@@ -400,7 +402,7 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, uint32_t me
  *     (racecheck follows those; it does not follow mbarriers), then turns t = 0 .. nb; turn t waits
  *     for K(t) and V(t - 1), then issues two commit groups: S of block t, then P V of block t - 1.
  *     Once S has landed it frees K(t) and runs the scores part of block t's update (max, alpha, p,
- *     l: block_scores) while that P V is still on the tensor cores; once P V has landed it frees
+ *     l: block_scores), in the source before it waits for that P V; once P V has landed it frees
  *     V(t - 1), merges a finished segment into the row
  *     state, and rescales acc by block t's alpha (unless block t starts a segment: its P V then
  *     starts acc) and rounds P (block_operands), as the contract's order acc = alpha acc + P V
@@ -639,8 +641,8 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
                 scores(0);
                 block_operands<BF16, D, THREAD_ROWS>(s, alpha, acc, pa, true);
                 bool fresh = true; /* the last scored block starts a segment: its P V starts acc */
-                /* turn t: S of block t, then P V of block t - 1 in a second group, so that block t's
-                 * softmax runs while that P V is on the tensor cores */
+                /* turn t: S of block t, then P V of block t - 1 in a second group, then block t's
+                 * softmax */
                 for (t = 1; t < nb; ++t) {
                     ring.wait_full(k_item(t));
                     ring.wait_full(v_item(t - 1));
