@@ -563,13 +563,16 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
         uint32_t first = 0; /* the tile's first ring item */
         FwdCta cta;
         for (int n = 0, tile = start_tile(0, cta); tile >= 0; ++n) {
-            /* Q's fragments once every thread's rows have landed; the slab free again (second barrier)
-             * and the tile's number read: free_tile */
+            /* every thread's Q rows landed (barrier), and the tile's number read: free_tile. Q in
+             * registers: the fragments read, then the slab free again (second barrier); Q in the slab:
+             * S reads it there, and the tile's last wgmma_wait frees it */
             cp_async_wait<0>();
             if constexpr (Tiles::Q_IN_SMEM) fence_proxy_async_smem(); /* S reads Q from the slab */
             warpgroup_sync(1 + wg);
-            if constexpr (!Tiles::Q_IN_SMEM) load_q_fragments<D>(qa, q_slab, 16 * warp_in_wg, lane);
-            warpgroup_sync(1 + wg);
+            if constexpr (!Tiles::Q_IN_SMEM) {
+                load_q_fragments<D>(qa, q_slab, 16 * warp_in_wg, lane);
+                warpgroup_sync(1 + wg);
+            }
             free_tile();
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
             const bool wg_has_rows = wg_row0 < cta.rows_in;
