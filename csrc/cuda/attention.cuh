@@ -564,6 +564,36 @@ __device__ __forceinline__ bool query_tile(const BwdParams &p, int cta, QueryTil
     return t.rows_in > 0;
 }
 
+/* Stores one row of D values, rounded to the dtype, that the 4 lanes of a quad hold in the MMA
+ * accumulator layout of both backends (lane q: column 8 j + 2 q + e in y[2 j + e]); all 4 lanes call
+ * it. Each 4 x 4 block of packed column pairs (j = 4 m .. 4 m + 3) is transposed across the quad by two
+ * xor shuffles, so that lane q stores the 16 bytes of columns 8 (4 m + q) .. + 7 with one store: 16-byte
+ * stores of whole 32-byte sectors instead of 4-byte stores of half sectors (the prefill forward's
+ * epilogue 5% faster at T = 1k, docs/perf-notes.md). row: the row's first element, 16-byte aligned. */
+template <bool BF16, int D>
+__device__ __forceinline__ void store_quad_row(uint16_t *row, const float (&y)[D / 4], int lane) {
+    const int q = lane & 3;
+    const unsigned quad = 0xfu << (lane & ~3);
+#pragma unroll
+    for (int m = 0; m < D / 32; ++m) {
+        uint32_t a[4]; /* a[k]: this lane's columns of j = 4 m + k; after the transpose, lane k's of j = 4 m + q */
+#pragma unroll
+        for (int k = 0; k < 4; ++k) a[k] = pack_half2<BF16>(y[2 * (4 * m + k)], y[2 * (4 * m + k) + 1]);
+#pragma unroll
+        for (int bit = 1; bit <= 2; bit <<= 1)
+#pragma unroll
+            for (int k0 = 0; k0 < 4; ++k0) {
+                if (k0 & bit) continue;
+                const int k1 = k0 | bit;
+                const bool upper = q & bit; /* keeps a[k1], gives a[k0] to lane q ^ bit */
+                const uint32_t received = __shfl_xor_sync(quad, upper ? a[k0] : a[k1], bit);
+                if (upper) a[k0] = received;
+                else a[k1] = received;
+            }
+        *(uint4 *)(row + 8 * (4 * m + q)) = make_uint4(a[0], a[1], a[2], a[3]);
+    }
+}
+
 /* Stores a thread's two rows of an MMA accumulator tile (row h: first_row + thread_row + 8 h, when
  * thread_row + 8 h < rows_in) times scale, rounded to the dtype. c(h, j, e): row h's accumulator at
  * column 8 j + 2 (lane % 4) + e, the layout of both backends' fragments. */
@@ -573,10 +603,12 @@ __device__ __forceinline__ void store_acc_rows(const rlk_attention_tensor &t, in
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (thread_row + 8 * h >= rows_in) continue;
-        uint16_t *dst = (uint16_t *)row_address(t, b, first_row + thread_row + 8 * h, head) + 2 * (lane & 3);
+        float y[D / 4];
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
-            *(uint32_t *)(dst + j * 8) = pack_half2<BF16>(__fmul_rn(c(h, j, 0), scale), __fmul_rn(c(h, j, 1), scale));
+#pragma unroll
+            for (int e = 0; e < 2; ++e) y[2 * j + e] = __fmul_rn(c(h, j, e), scale);
+        store_quad_row<BF16, D>((uint16_t *)row_address(t, b, first_row + thread_row + 8 * h, head), y, lane);
     }
 }
 

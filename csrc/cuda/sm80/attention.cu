@@ -341,10 +341,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
 #pragma unroll
                 for (int e = 0; e < 2; ++e) o_row[2 * nt + e] = o[nt][2 * h + e];
             finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
-            uint16_t *dst = (uint16_t *)row_address(p.out, b, q_row0 + i, head) + col;
-#pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt)
-                *(uint32_t *)(dst + nt * 8) = pack_half2<BF16>(y[2 * nt], y[2 * nt + 1]);
+            store_quad_row<BF16, D>((uint16_t *)row_address(p.out, b, q_row0 + i, head), y, lane);
             if ((lane & 3) == 0 && p.lse.data)
                 ((float *)p.lse.data)[b * p.lse.batch_stride + (q_row0 + i) * p.lse.row_stride + head * p.lse.head_stride] = lse;
         }

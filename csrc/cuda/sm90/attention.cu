@@ -723,9 +723,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
                     if (nb > 0) merge_segment<D / 4>(row.m[h], row.l[h], o_row, seg.m[h], seg.l[h], acc_row, p.scale_log2);
                     finalize_row<D / 4>(row.m[h], row.l[h], o_row, y, lse, p.scale_log2);
                     const int64_t q_row = cta.range.q_start + i;
-                    uint16_t *dst = (uint16_t *)row_address(p.out, cta.b, q_row, head) + col;
-#pragma unroll
-                    for (int j = 0; j < D / 8; ++j) *(uint32_t *)(dst + j * 8) = pack_half2<BF16>(y[2 * j], y[2 * j + 1]);
+                    store_quad_row<BF16, D>((uint16_t *)row_address(p.out, cta.b, q_row, head), y, lane);
                     if ((lane & 3) == 0 && p.lse.data)
                         ((float *)p.lse.data)[cta.b * p.lse.batch_stride + q_row * p.lse.row_stride +
                                               head * p.lse.head_stride] = lse;
