@@ -310,10 +310,21 @@ __device__ __forceinline__ void block_operands(const float (&s)[FWD_KEYS / 2], c
 }
 
 /* cp.async of a warpgroup's 64 Q rows, tile rows row0 .. row0 + 63 (row r: query cta.query_of(r),
- * head cta.head_of(r); zeros past rows_in), into its slab by its 128 threads (wg_tid) */
-template <int D>
+ * head cta.head_of(r); zeros past rows_in), into its slab by its 128 threads (wg_tid). The prefill's
+ * rows are consecutive queries of one head: a thread's 8 rows are one pointer stepped by a stride, where
+ * the general form divides by rows_per_query for each row (the prefill kernel 4,896 -> 4,440 SASS
+ * instructions; 4% of the forward at T = 1k, docs/perf-notes.md) */
+template <int D, bool SPLIT>
 __device__ __forceinline__ void load_q_slab_async(uint32_t q_slab, const FwdParams &p, const FwdCta &cta, int row0,
                                                   int wg_tid) {
+    if constexpr (!SPLIT) {
+        constexpr int CHUNKS_PER_ROW = D / 8;
+        const int r0 = wg_tid / CHUNKS_PER_ROW, c = wg_tid % CHUNKS_PER_ROW;
+        const uint16_t *src = row_address(p.q, cta.b, cta.range.q_start + cta.row0 + row0 + r0, cta.head0) + 8 * c;
+        load_thread_rows_async<D, 64, 128, BoxSwizzle<64>>(q_slab, src, p.q.row_stride, cta.rows_in - row0, p.q.data,
+                                                           wg_tid);
+        return;
+    }
     auto q_row = [&](int r) -> const uint16_t * {
         if (row0 + r >= cta.rows_in) return nullptr;
         return row_address(p.q, cta.b, cta.range.q_start + cta.query_of(row0 + r), cta.head_of(row0 + r));
@@ -554,7 +565,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
             const int tile = tile_of(n, cta);
             if (tile >= 0) {
                 if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, tile, cta);
-                load_q_slab_async<D>(q_slab, p, cta, wg_row0, tid & 127);
+                load_q_slab_async<D, SPLIT>(q_slab, p, cta, wg_row0, tid & 127);
                 cp_async_commit();
             }
             return tile;
