@@ -325,11 +325,23 @@ __device__ __forceinline__ void load_q_slab_async(uint32_t q_slab, const FwdPara
                                                            wg_tid);
         return;
     }
-    auto q_row = [&](int r) -> const uint16_t * {
-        if (row0 + r >= cta.rows_in) return nullptr;
-        return row_address(p.q, cta.b, cta.range.q_start + cta.query_of(row0 + r), cta.head_of(row0 + r));
-    };
-    load_rows_async<D, 64, 128, BoxSwizzle<64>>(q_slab, q_row, p.q.data, wg_tid);
+    /* split: row x = query * rows_per_query + head; a thread's rows are 8 apart, so its (query, head)
+     * steps by (8 / rows_per_query, 8 % rows_per_query) with one carry, from one division */
+    constexpr int CHUNKS_PER_ROW = D / 8, ROW_STEP = 128 / CHUNKS_PER_ROW;
+    const int r0 = wg_tid / CHUNKS_PER_ROW, c = wg_tid % CHUNKS_PER_ROW;
+    const int g = cta.rows_per_query, x0 = cta.row0 + row0 + r0;
+    int query = x0 / g, head = x0 - query * g;
+    const int step_q = ROW_STEP / g, step_h = ROW_STEP - step_q * g;
+#pragma unroll
+    for (int i = 0; i < 64 / ROW_STEP; ++i) {
+        const int r = r0 + i * ROW_STEP;
+        const bool live = row0 + r < cta.rows_in;
+        const uint16_t *src = row_address(p.q, cta.b, cta.range.q_start + query, cta.head0 + head) + 8 * c;
+        cp_async_16(q_slab + BoxSwizzle<64>::at(r, c), live ? (const void *)src : p.q.data, live ? 16 : 0);
+        query += step_q;
+        head += step_h;
+        if (head >= g) head -= g, ++query;
+    }
 }
 
 /* Consumer warpgroups of 64 rows (prefill 2, one CTA per SM: the two accumulator sets take ~200
