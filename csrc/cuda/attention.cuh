@@ -4,7 +4,8 @@
  * range is bad, so that its rows are still written), the contract's scaled(m), the row
  * state of a thread's two rows, its block update (mask_block, update_rows, rescale_rows), the
  * segment merge (merge_segment) and the normalization (finalize_row), the cp.async tile loads (in
- * each backend's swizzle), the kernel parameters both directions read (CallParams) and the
+ * each backend's swizzle), the rows' 16-byte stores from the accumulator layout (store_quad_row: out,
+ * dq, dk, dv), the kernel parameters both directions read (CallParams) and the
  * forward's, the split-KV combine kernel, and the host side: the layout checks (supported), the
  * schedule choice, the split workspace, the forward launch (launch_fwd; each backend supplies its
  * tile plan and attention_fwd_kernel) and the forward's entry point (attention_fwd_entry); for the
