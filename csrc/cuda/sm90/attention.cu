@@ -311,24 +311,24 @@ __device__ __forceinline__ void block_operands(const float (&s)[FWD_KEYS / 2], c
 
 /* cp.async of a warpgroup's 64 Q rows, tile rows row0 .. row0 + 63 (row r: query cta.query_of(r),
  * head cta.head_of(r); zeros past rows_in), into its slab by its 128 threads (wg_tid). The prefill's
- * rows are consecutive queries of one head: a thread's 8 rows are one pointer stepped by a stride, where
+ * rows are consecutive queries of one head: a thread's rows are one pointer stepped by a stride, where
  * the general form divides by rows_per_query for each row (the prefill kernel 4,896 -> 4,440 SASS
  * instructions; 4% of the forward at T = 1k, docs/perf-notes.md) */
 template <int D, bool SPLIT>
 __device__ __forceinline__ void load_q_slab_async(uint32_t q_slab, const FwdParams &p, const FwdCta &cta, int row0,
                                                   int wg_tid) {
+    /* this thread's 16-byte chunk c of the slab rows r0, r0 + ROW_STEP, ... (load_rows_async's map) */
+    constexpr int CHUNKS_PER_ROW = D / 8, ROW_STEP = 128 / CHUNKS_PER_ROW;
+    const int r0 = wg_tid / CHUNKS_PER_ROW, c = wg_tid % CHUNKS_PER_ROW;
     if constexpr (!SPLIT) {
-        constexpr int CHUNKS_PER_ROW = D / 8;
-        const int r0 = wg_tid / CHUNKS_PER_ROW, c = wg_tid % CHUNKS_PER_ROW;
         const uint16_t *src = row_address(p.q, cta.b, cta.range.q_start + cta.row0 + row0 + r0, cta.head0) + 8 * c;
         load_thread_rows_async<D, 64, 128, BoxSwizzle<64>>(q_slab, src, p.q.row_stride, cta.rows_in - row0, p.q.data,
                                                            wg_tid);
         return;
     }
-    /* split: row x = query * rows_per_query + head; a thread's rows are 8 apart, so its (query, head)
-     * steps by (8 / rows_per_query, 8 % rows_per_query) with one carry, from one division */
-    constexpr int CHUNKS_PER_ROW = D / 8, ROW_STEP = 128 / CHUNKS_PER_ROW;
-    const int r0 = wg_tid / CHUNKS_PER_ROW, c = wg_tid % CHUNKS_PER_ROW;
+    /* split: row x = query * rows_per_query + head; a thread's rows are ROW_STEP apart, so its
+     * (query, head) steps by (ROW_STEP / rows_per_query, ROW_STEP % rows_per_query) with one carry,
+     * from one division */
     const int g = cta.rows_per_query, x0 = cta.row0 + row0 + r0;
     int query = x0 / g, head = x0 - query * g;
     const int step_q = ROW_STEP / g, step_h = ROW_STEP - step_q * g;
