@@ -23,7 +23,8 @@
  * one), 256 threads as 16 x 16, each thread an 8 x 8 (4 x 4) register block of two 4-wide strips per
  * dimension, two CTAs per SM. A 3-stage ring of k-major k-tiles is filled by 4-byte cp.async whose
  * addresses walk each operand's contiguous dimension across neighbouring threads (coalesced for every
- * layout, zero fill past the edges); grouped raster like the tensor-core kernel.
+ * layout): a tile inside M x N copies its whole k-tiles without bounds, the others zero-fill past the
+ * edges; grouped raster like the tensor-core kernel.
  *
  * Batch invariance: no split-K; the tile size (chosen by M and N) only moves an element between
  * tiles, CTAs and warps, never changes its arithmetic. Every output element
@@ -347,25 +348,55 @@ struct Fp32Stage { /* one k-tile, k-major; +4 floats per row: float4-aligned row
     float b[FP32_BK][BN + 4];
 };
 
-/* Issues this thread's share of one operand's k-tile, LOADS 4-byte copies: consecutive threads walk
- * the operand's contiguous global dimension (coalesced for every layout). K_CONTIGUOUS: the thread
- * keeps k = tid % 16 and steps over rows, 16 at a time; else it keeps row tid % ROWS and steps over
- * k, 256 / ROWS at a time. Elements with row >= rows_in or k >= k_in are written as zeros. */
+/* One thread's share of an operand's k-tiles as 4-byte copies, consecutive lanes on consecutive
+ * elements of the operand's contiguous global dimension. K_CONTIGUOUS (row-major [rows, K]): k tid % 16
+ * of rows tid / 16 + 16 i (a half-warp reads a row's 64 bytes); else ([K, rows]): rows tid % 32 + 32 e
+ * (a warp reads 128 contiguous bytes; the e steps are immediate offsets) of k tid / 32 + 8 i. */
 template <int ROWS, bool K_CONTIGUOUS>
-__device__ __forceinline__ void fp32_load_k_tile(float (*tile)[ROWS + 4], const float *g, int64_t ld, int64_t k0,
-                                                 int rows_in, int k_in, int tid) {
-    constexpr int LOADS = ROWS * FP32_BK / FP32_THREADS;
-    constexpr int ROW_STEP = K_CONTIGUOUS ? FP32_THREADS / FP32_BK : 0, K_STEP = K_CONTIGUOUS ? 0 : FP32_THREADS / ROWS;
-    const int row = K_CONTIGUOUS ? tid / FP32_BK : tid % ROWS, k = K_CONTIGUOUS ? tid % FP32_BK : tid / ROWS;
-    const float *src = K_CONTIGUOUS ? g + row * ld + k0 + k : g + (k0 + k) * ld + row;
-    const int64_t step = (ROW_STEP + K_STEP) * ld;
-    uint32_t dst = smem_u32(&tile[k][row]);
-#pragma unroll
-    for (int i = 0; i < LOADS; i++, src += step, dst += 4 * (ROW_STEP + K_STEP * (ROWS + 4))) {
-        const bool valid = k + i * K_STEP < k_in && row + i * ROW_STEP < rows_in;
-        cp_async_4(dst, valid ? src : g, valid ? 4 : 0);
+struct Fp32TileLoader {
+    static constexpr int E = K_CONTIGUOUS ? 1 : ROWS / 32;  /* copies at immediate offsets from a run's */
+    static constexpr int RUNS = ROWS * FP32_BK / FP32_THREADS / E;
+    static constexpr int ROW_STEP = K_CONTIGUOUS ? FP32_THREADS / FP32_BK : 32, K_STEP = FP32_THREADS / 32;
+    const float *src;   /* this thread's first element of the next k-tile */
+    const float *base;  /* the operand tile's origin: any valid address for the zero-filled copies */
+    int64_t run_step, k_tile_step;  /* elements between runs, between k-tiles */
+    int row, k;
+
+    __device__ __forceinline__ Fp32TileLoader(const float *tile_origin, int64_t ld, int tid) {
+        row = K_CONTIGUOUS ? tid / FP32_BK : tid % 32;
+        k = K_CONTIGUOUS ? tid % FP32_BK : tid / 32;
+        base = tile_origin;
+        src = K_CONTIGUOUS ? tile_origin + row * ld + k : tile_origin + k * ld + row;
+        run_step = (K_CONTIGUOUS ? ROW_STEP : K_STEP) * ld;
+        k_tile_step = K_CONTIGUOUS ? FP32_BK : FP32_BK * ld;
     }
-}
+
+    /* Copies the next k-tile into tile and moves on. FULL: the whole k-tile lies inside the operand
+     * (every tile but the last row or column tile, every k-tile but a partial last one), so the copies
+     * need no bounds; otherwise the elements with row >= rows_in or k >= k_in are written as zeros.
+     * Both place the same values. */
+    template <bool FULL>
+    __device__ __forceinline__ void load(float (*tile)[ROWS + 4], int rows_in, int k_in) {
+#pragma unroll
+        for (int i = 0; i < RUNS; i++) {
+            const float *run = src + i * run_step;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int r = K_CONTIGUOUS ? row + i * ROW_STEP : row + e * ROW_STEP;
+                const int kk = K_CONTIGUOUS ? k + e : k + i * K_STEP;
+                const float *elem = run + (K_CONTIGUOUS ? e : e * ROW_STEP);
+                const uint32_t dst = smem_u32(&tile[kk][r]);
+                if (FULL) {
+                    cp_async_4(dst, elem, 4);
+                } else {
+                    const bool valid = kk < k_in && r < rows_in;
+                    cp_async_4(dst, valid ? elem : base, valid ? 4 : 0);
+                }
+            }
+        }
+        src += k_tile_step;
+    }
+};
 
 template <int BM, int BN, int A_TRANS, int B_TRANS>
 __global__ void __launch_bounds__(FP32_THREADS, 2)
@@ -389,15 +420,27 @@ __global__ void __launch_bounds__(FP32_THREADS, 2)
     const int m_in = (int)min((int64_t)BM, M - m0), n_in = (int)min((int64_t)BN, N - n0);
     const float *a_tile = a + (A_TRANS ? m0 : m0 * lda); /* tile origins at k = 0 */
     const float *b_tile = b + (B_TRANS ? n0 * ldb : n0);
-    const int64_t k_tiles = (K + FP32_BK - 1) / FP32_BK;
-    auto load_k_tile = [&](int64_t kt) { /* one commit group per k-tile, empty past the last */
-        if (kt < k_tiles) {
-            Fp32Stage<BM, BN> &st = ring[kt % FP32_STAGES];
-            const int k_in = (int)min((int64_t)FP32_BK, K - kt * FP32_BK);
-            fp32_load_k_tile<BM, !A_TRANS>(st.a, a_tile, lda, kt * FP32_BK, m_in, k_in, tid);
-            fp32_load_k_tile<BN, (bool)B_TRANS>(st.b, b_tile, ldb, kt * FP32_BK, n_in, k_in, tid);
+    const int k_tiles = (int)((K + FP32_BK - 1) / FP32_BK); /* the launcher checks that K fits */
+    /* full tiles take the copies without bounds up to the last whole k-tile */
+    const int full_k_tiles = m_in == BM && n_in == BN ? (int)(K / FP32_BK) : 0;
+    Fp32TileLoader<BM, !A_TRANS> a_loader(a_tile, lda, tid);
+    Fp32TileLoader<BN, (bool)B_TRANS> b_loader(b_tile, ldb, tid);
+    int load_kt = 0, load_stage = 0;
+    auto load_k_tile = [&]() { /* the next k-tile; one commit group per call, empty past the last */
+        if (load_kt < k_tiles) {
+            Fp32Stage<BM, BN> &st = ring[load_stage];
+            if (load_kt < full_k_tiles) {
+                a_loader.template load<true>(st.a, m_in, FP32_BK);
+                b_loader.template load<true>(st.b, n_in, FP32_BK);
+            } else {
+                const int k_in = (int)min((int64_t)FP32_BK, K - (int64_t)load_kt * FP32_BK);
+                a_loader.template load<false>(st.a, m_in, k_in);
+                b_loader.template load<false>(st.b, n_in, k_in);
+            }
         }
         cp_async_commit();
+        ++load_kt;
+        load_stage = load_stage == FP32_STAGES - 1 ? 0 : load_stage + 1;
     };
 
     float acc[TM][TN];
@@ -407,14 +450,16 @@ __global__ void __launch_bounds__(FP32_THREADS, 2)
         for (int j = 0; j < TN; j++) acc[i][j] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < FP32_STAGES - 1; s++) load_k_tile(s);
-    for (int64_t kt = 0; kt < k_tiles; kt++) {
+    for (int s = 0; s < FP32_STAGES - 1; s++) load_k_tile();
+    int stage = 0;
+    for (int kt = 0; kt < k_tiles; kt++) {
         cp_async_wait<FP32_STAGES - 2>();
         /* k-tile kt has landed for every thread, and every thread is done reading kt - 1's slot,
          * which the next load refills */
         __syncthreads();
-        load_k_tile(kt + FP32_STAGES - 1);
-        const Fp32Stage<BM, BN> &st = ring[kt % FP32_STAGES];
+        load_k_tile();
+        const Fp32Stage<BM, BN> &st = ring[stage];
+        stage = stage == FP32_STAGES - 1 ? 0 : stage + 1;
 #pragma unroll
         for (int k = 0; k < FP32_BK; k++) {
             float av[TM], bw[TN];
@@ -510,7 +555,7 @@ static int launch_gemm_sm80(const rlk_gemm_args *p, cudaStream_t stream) {
 template <int BM, int BN>
 static int launch_gemm_fp32(const rlk_gemm_args *p, cudaStream_t stream) {
     const int64_t tiles = ((p->M + BM - 1) / BM) * ((p->N + BN - 1) / BN);
-    if (tiles > 0x7fffffff) return (int)cudaErrorInvalidConfiguration;
+    if (tiles > 0x7fffffff || p->K >= (int64_t)INT32_MAX * FP32_BK) return (int)cudaErrorInvalidConfiguration;
     void (*kernel)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
                    const float *, int64_t, float *, int64_t, float, float);
     if (p->a_trans)
