@@ -382,9 +382,9 @@ struct Fp32TileLoader {
             const float *run = src + i * run_step;
 #pragma unroll
             for (int e = 0; e < E; e++) {
-                const int r = K_CONTIGUOUS ? row + i * ROW_STEP : row + e * ROW_STEP;
-                const int kk = K_CONTIGUOUS ? k + e : k + i * K_STEP;
-                const float *elem = run + (K_CONTIGUOUS ? e : e * ROW_STEP);
+                /* runs step across the contiguous dimension, copies inside a run along it (MN only) */
+                const int r = row + (K_CONTIGUOUS ? i : e) * ROW_STEP, kk = K_CONTIGUOUS ? k : k + i * K_STEP;
+                const float *elem = run + e * ROW_STEP;
                 const uint32_t dst = smem_u32(&tile[kk][r]);
                 if (FULL) {
                     cp_async_4(dst, elem, 4);

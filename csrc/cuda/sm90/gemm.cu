@@ -20,13 +20,13 @@
  *   Every config but narrow stages one 64-wide k-slice at a time. Narrow tiles stream weights, and
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
- * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64
- * rows, unless two one-consumer row tiles of 16 or 32 columns fit), the weights streaming through as
- * many SMs as possible, and so does M <= 256 where a one-consumer narrow config's row tiles all fit in
- * one wave (k / v); other M whichever of the first five (wide: unchained, K-major B) a measured ns-per-step estimate finds
- * fastest, in waves of whole tiles or stream-K (gemm_kernel.cuh: every SM an equal share of the
- * k-slices, a tile split between two CTAs continuing one accumulator chain through L2; the workspace is
- * planned, ctx->workspace_bytes).
+ * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64 rows,
+ * unless two one-consumer row tiles of 16 or 32 columns fit), the weights streaming through as many SMs as
+ * possible, and so does M <= 256 where a one-consumer narrow config's row tiles all fit in one wave (k / v);
+ * other M whichever of the first five (wide: unchained, K-major B) a measured ns-per-step estimate finds
+ * fastest, in waves of whole tiles or stream-K (gemm_kernel.cuh: every SM an equal share of the k-slices, a
+ * tile split between two CTAs continuing one accumulator chain through L2; the workspace is planned,
+ * ctx->workspace_bytes).
  * From K = 65536 on the kernels' K-chain variants run instead (4 chains summed in order;
  * gemm_kernel.cuh, "K chains").
  *
@@ -95,16 +95,15 @@ typedef struct gemm_plan {
     bool chain_split;  /* the last, partly empty round of items by chains (chained shapes) */
 } gemm_plan;
 
-/* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers, or two row tiles of
- * one consumer, 16 or 32 columns wide, where they fit in one wave). A tile's k loop takes about the same
- * time at any width (perf-notes), so the more SMs own tiles the better: the width whose tiles come
- * closest to filling one wave wins: 16, 32, 48, 64 or 96 columns (all but 64 need K-major B: an MN-major B box is 64 columns
- * wide); with more columns than 96 x SMs, 64 (several waves). Otherwise the fewest estimated ns among
- * the first five (wide for unchained shapes with K-major B), each either in waves of whole tiles (the
- * last wave partly empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal
- * share of the k-slices per SM, plus its overhead). A chained shape (K chains, below) takes the
- * 64-wide configs up to 128 rows, and in place of stream-K may run its last, partly empty round by
- * chains. */
+/* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers, or two row tiles of one
+ * consumer, 16 or 32 columns wide, where they fit in one wave). A tile's k loop takes about the same time at
+ * any width (perf-notes), so the more SMs own tiles the better: the width whose tiles come closest to filling
+ * one wave wins: 16, 32, 48, 64 or 96 columns (all but 64 need K-major B: an MN-major B box is 64 columns
+ * wide); with more columns than 96 x SMs, 64 (several waves). Otherwise the fewest estimated ns among the first
+ * five (wide for unchained shapes with K-major B), each either in waves of whole tiles (the last wave partly
+ * empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal share of the k-slices per SM,
+ * plus its overhead). A chained shape (K chains, below) takes the 64-wide configs up to 128 rows, and in place
+ * of stream-K may run its last, partly empty round by chains. */
 static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool has_workspace, int num_sms) {
     const int chains = k_chains(K);
     const double steps = (double)((K + 63) / 64 * 4);
@@ -121,25 +120,21 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
     static const int configs[2][5] = {
         {CONFIG_NARROW16, CONFIG_NARROW32, CONFIG_NARROW48, CONFIG_SMALL, CONFIG_NARROW96},
         {CONFIG_NARROW16_X2, CONFIG_NARROW32_X2, CONFIG_NARROW48_X2, CONFIG_NARROW64_X2, CONFIG_NARROW96_X2}};
+    /* 65 to 256 rows: one-consumer row tiles of 16 or 32 columns (48 too above 128 rows) where all of
+     * them fit in one wave (k / v up to 256 rows: 16 or 32 columns x 2-4 row tiles; q / o of a 2048-wide
+     * model up to 128 rows). Twice the SMs of a two-consumer tile stream the weights (the other row
+     * tiles read them from L2), in stages of 4 k-slices: N = 2048 at 65-128 rows 14.4 against 17.3 us.
+     * At 65-128 rows, 48 columns (3 stages) and 64 measured slower than two consumers (perf-notes) */
+    if (M > 64 && M <= 256 && chains == 1 && !b_mn) {
+        for (int i = 0; i < (M <= 128 ? 2 : 3); ++i)
+            if ((M + 63) / 64 * ((N + widths[i] - 1) / widths[i]) <= num_sms) return {configs[0][i], false, false};
+    }
     if (M <= 128) {
         const int x2 = M > 64;
-        /* above 64 rows, two one-consumer row tiles of 16 or 32 columns where all of them fit in one
-         * wave: twice the SMs stream the weights (the second row tile reads them from L2), in stages of
-         * 4 k-slices, faster than two consumers' one-slice stages (N = 2048: 14.4 against 17.3 us). At
-         * 48 columns (3 stages) and 64 two consumers stay faster (docs/perf-notes.md) */
-        if (x2 && !b_mn)
-            for (int i = 0; i < 2; ++i)
-                if (2 * ((N + widths[i] - 1) / widths[i]) <= num_sms) return {configs[0][i], false, false};
         for (int i = 0; i < 5; ++i)
             if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms)
                 return {configs[x2][i], false, false};
         return {configs[x2][3], false, false};
-    }
-    /* up to 256 rows, one-consumer tiles of 16, 32 or 48 columns where all their row tiles fit in one
-     * wave (k / v: 32 columns x 4 row tiles), as at decode */
-    if (M <= 256 && chains == 1 && !b_mn) {
-        for (int i = 0; i < 3; ++i)
-            if ((M + 63) / 64 * ((N + widths[i] - 1) / widths[i]) <= num_sms) return {configs[0][i], false, false};
     }
     gemm_plan best = {CONFIG_LARGE, false, false};
     double best_ns = INFINITY;
