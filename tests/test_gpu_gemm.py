@@ -111,6 +111,43 @@ def test_k_chains_rows_bitwise_invariant_and_accurate(backend):
                    g[4080:].double() @ w.double()) <= bound
 
 
+# sm90 computes x @ W^T at 65-240 rows of x with many weight rows (the LM head) as out^T = W @ x^T, in one
+# tile of M rounded up to 16 columns (80 to 240 wide): every width here and both ends, against the rows of
+# a 300-row call (normal tiles), with inputs of wide exponent range so that any other order of the sums
+# would show; N = 70008 ends in a part tile of weight rows; out= with a row stride, the out^T tensor map's;
+# bias (C) and fp32 out take the normal tiles.
+SWAPPED_M = [64, 65, 80, 96, 100, 112, 128, 129, 144, 160, 176, 192, 200, 208, 209, 222, 224, 240, 241, 256]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype,n", [(torch.bfloat16, 151936), (torch.float16, 70008)])
+def test_swapped_operands_bitwise(backend, dtype, n):
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    spread = 2.0 if dtype is torch.bfloat16 else 1.0  # fp16: keep the outputs finite
+
+    def wide(*shape):
+        x = torch.randn(shape, generator=gen, device="cuda")
+        return (x * torch.exp(spread * torch.randn(shape, generator=gen, device="cuda"))).to(dtype)
+
+    a, w = wide(300, 4096), wide(n, 4096) * 0.01
+    full = rl_kernels.det_gemm(a, w.t(), backend=backend)
+    assert torch.isfinite(full).all()
+    for m in SWAPPED_M:
+        assert torch.equal(rl_kernels.det_gemm(a[:m], w.t(), backend=backend), full[:m]), f"prefix M={m}"
+        assert torch.equal(rl_kernels.det_gemm(a[300 - m:], w.t(), backend=backend), full[300 - m:]), \
+            f"suffix M={m}"
+    strided = torch.full((200, n + 64), 7.0, device="cuda", dtype=dtype)
+    rl_kernels.matmul(a[:200], w.t(), out=strided[:, :n], backend=backend)
+    assert torch.equal(strided[:, :n], full[:200]) and bool((strided[:, n:] == 7).all())
+    ref = a[:200].double() @ w.double().t()
+    bias = wide(n) * 0.01
+    with_bias = rl_kernels.addmm(bias, a[:200], w.t(), backend=backend)
+    assert rel_err(with_bias, ref + bias.double()) <= 1e-2
+    out32 = rl_kernels.det_gemm(a[:200], w.t(), out_dtype=torch.float32, backend=backend)
+    assert rel_err(out32, ref) <= 1e-4  # K = 4096 of wide-range products, truncating accumulator adds
+    assert torch.equal(out32.to(dtype), full[:200])
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_chunked_prefill_padding_repeats_and_tile_placement(backend, activations):
     a = activations[:2048, :4096]

@@ -20,6 +20,8 @@
  *   Every config but narrow stages one 64-wide k-slice at a time. Narrow tiles stream weights, and
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
+ *   swapped: out^T = W X^T in tiles of 128 weight rows (2 consumers) x M rounded up to 16 (80-240), clusters
+ *           of 2 sharing X by multicast, at 65-240 rows with at least 4 waves of weight tiles (the LM head).
  * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64 rows,
  * unless two one-consumer row tiles of 16 or 32 columns fit), the weights streaming through as many SMs as
  * possible, and so does M <= 256 where a one-consumer narrow config's row tiles all fit in one wave (k / v);
@@ -35,7 +37,8 @@
  * aligned and unaligned addresses compared with torch.equal).
  *
  * Limits (-> RLK_UNSUPPORTED, the sm80 kernel runs): dtypes other than bf16/fp16 in, in-dtype/fp32 out;
- * A or B not TMA-describable (base 16-byte aligned, row stride a multiple of 16 bytes); N or K >= 2^31. C and out: any alignment/stride.
+ * A or B not TMA-describable (base 16-byte aligned, row stride a multiple of 16 bytes); N or K >= 2^31. C and out:
+ * any alignment/stride.
  *
  * Build: python3 csrc/cuda/sm90/wgmma_gen.py build/gen && nvcc -c -gencode arch=compute_90a,code=sm_90a
  *        -O3 -std=c++17 -lineinfo -Xptxas -v -Xcompiler -fPIC -Icsrc -Ibuild/gen csrc/cuda/sm90/gemm.cu
@@ -93,7 +96,23 @@ typedef struct gemm_plan {
     int config;
     bool stream_k;     /* an equal share of the k-slices per cluster (unchained shapes) */
     bool chain_split;  /* the last, partly empty round of items by chains (chained shapes) */
+    int swapped_bn;    /* > 0: swapped operands, M in one tile of this many columns (launch_swapped) */
 } gemm_plan;
+
+/* Swapped operands: out^T = W X^T, for out = X W^T with 65-240 rows and many weight rows (the LM head: N =
+ * 151,936). wgmma's M is 64 rows a consumer, its N any multiple of 8, so the normal tiles compute M rounded
+ * up to 128 (129 rows as 256), the swapped ones M rounded up to 16: W as A in 128-row tiles of 2 consumers,
+ * the rows of X as one B tile that each cluster of 2 shares by multicast, out^T stored through shared
+ * memory (store_tile_tma_transposed). Every element is the same k16 sequence of the same products, so the
+ * same bits (tests/test_gpu_gemm.py; probed on an H200 with inputs of wide exponent range in every config:
+ * 0 of 560 differ). H100, the head: 1.7-2.7% faster at 65-128 rows, 6% at 129-160, 2-3.5% at 192-222,
+ * 0.5% at 240, 0.5% slower at 256 (perf-notes, "Swapped operands"). Where: unchained, K-major X and W, no
+ * C, 16-bit out that TMA can store, M of 65-240 (up to 64 the one-consumer 64 x 64 tiles read the weights
+ * at the copy rate), and at least SWAP_MIN_WAVES waves of weight tiles (fewer leave SMs idle in the last
+ * wave: the 12,288-wide gate projection at M = 200 ran 15% slower swapped). */
+#define SWAP_MIN_M 65
+#define SWAP_MAX_M 240
+#define SWAP_MIN_WAVES 4
 
 /* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers, or two row tiles of one
  * consumer, 16 or 32 columns wide, where they fit in one wave). A tile's k loop takes about the same time at
@@ -104,8 +123,11 @@ typedef struct gemm_plan {
  * empty) or, with scratch memory and at least a wave of tiles, stream-K (an equal share of the k-slices per SM,
  * plus its overhead). A chained shape (K chains, below) takes the 64-wide configs up to 128 rows, and in place
  * of stream-K may run its last, partly empty round by chains. */
-static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool has_workspace, int num_sms) {
+static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool swappable, bool has_workspace,
+                             int num_sms) {
     const int chains = k_chains(K);
+    if (swappable && chains == 1 && M >= SWAP_MIN_M && M <= SWAP_MAX_M && (N + 127) / 128 >= SWAP_MIN_WAVES * num_sms)
+        return {CONFIG_LARGE, false, false, (int)(M + 15) / 16 * 16};
     const double steps = (double)((K + 63) / 64 * 4);
     if (M <= 128 && chains > 1) {
         /* K chains: 64 columns, one or two consumers; a row of tiles that leaves SMs idle is split */
@@ -114,7 +136,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
         const double split_ns = (double)(tiles / num_sms) * steps +
                                 (double)((rest * chains + num_sms - 1) / num_sms) * ceil(steps / chains) +
                                 CHAIN_SPLIT_FIXED_NS / config_step_ns[CONFIG_SMALL];
-        return {M > 64 ? CONFIG_NARROW64_X2 : CONFIG_SMALL, false, has_workspace && rest > 0 && split_ns < waves_ns};
+        return {M > 64 ? CONFIG_NARROW64_X2 : CONFIG_SMALL, false, has_workspace && rest > 0 && split_ns < waves_ns, 0};
     }
     static const int widths[] = {16, 32, 48, 64, 96};
     static const int configs[2][5] = {
@@ -127,16 +149,16 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
      * At 65-128 rows, 48 columns (3 stages) and 64 measured slower than two consumers (perf-notes) */
     if (M > 64 && M <= 256 && chains == 1 && !b_mn) {
         for (int i = 0; i < (M <= 128 ? 2 : 3); ++i)
-            if ((M + 63) / 64 * ((N + widths[i] - 1) / widths[i]) <= num_sms) return {configs[0][i], false, false};
+            if ((M + 63) / 64 * ((N + widths[i] - 1) / widths[i]) <= num_sms) return {configs[0][i], false, false, 0};
     }
     if (M <= 128) {
         const int x2 = M > 64;
         for (int i = 0; i < 5; ++i)
             if ((!b_mn || widths[i] == 64) && (N + widths[i] - 1) / widths[i] <= num_sms)
-                return {configs[x2][i], false, false};
-        return {configs[x2][3], false, false};
+                return {configs[x2][i], false, false, 0};
+        return {configs[x2][3], false, false, 0};
     }
-    gemm_plan best = {CONFIG_LARGE, false, false};
+    gemm_plan best = {CONFIG_LARGE, false, false, 0};
     double best_ns = INFINITY;
     for (int c = 0; c <= CONFIG_WIDE; ++c) {
         if (c == CONFIG_WIDE && (b_mn || chains > 1)) continue;  /* K-major B, unchained (launch_config) */
@@ -154,7 +176,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool ha
         const double ns = stream_k ? stream_k_ns : chain_split ? split_ns : waves_ns;
         if (ns < best_ns) {
             best_ns = ns;
-            best = {c, stream_k, chain_split};
+            best = {c, stream_k, chain_split, 0};
         }
     }
     return best;
@@ -231,6 +253,40 @@ static int launch_dtypes(int config, const rlk_gemm_args *args, const gemm_sm90_
                                       : launch_layout<false, HalfOut>(config, args, p, ep, device, num_sms, s);
 }
 
+/* out = X W^T as out^T = W X^T (gemm_plan.swapped_bn): the kernel's A is W, its B is X (K-major: X^T), its
+ * M and N are N and M; one tile of BN columns holds all M rows of X (store_tile_tma_transposed's clipping
+ * relies on it). Stages: as many of 128 + BN rows x 64 k as fit beside the epilogue buffers, up to 8. */
+template <int BN, bool BF16, typename OutT>
+static int launch_swapped_width(const rlk_gemm_args *swapped, int device, int num_sms, cudaStream_t stream) {
+    using Tiles = store_tiles<OutT, gemm_value, false, true>;
+    constexpr int STAGE_BYTES = (128 + BN) * BK * 2, FREE = 227 * 1024 - 4 * EPI_BOX_BYTES - SMEM_ALIGN - 16 * 8;
+    constexpr int STAGES = FREE / STAGE_BYTES < 8 ? FREE / STAGE_BYTES : 8;
+    return launch_gemm_sm90<BN, 2, 64, STAGES, 1, 2, false, false, BF16, Tiles>(swapped, gemm_params(swapped), {},
+                                                                                device, num_sms, stream);
+}
+
+template <bool BF16, typename OutT>
+static int launch_swapped(int bn, const rlk_gemm_args *args, int device, int num_sms, cudaStream_t s) {
+    rlk_gemm_args t = *args;
+    t.M = args->N, t.N = args->M;
+    t.a = args->b, t.lda = args->ldb, t.a_trans = 0;
+    t.b = args->a, t.ldb = args->lda, t.b_trans = 1;
+    switch (bn) {
+    case 80: return launch_swapped_width<80, BF16, OutT>(&t, device, num_sms, s);
+    case 96: return launch_swapped_width<96, BF16, OutT>(&t, device, num_sms, s);
+    case 112: return launch_swapped_width<112, BF16, OutT>(&t, device, num_sms, s);
+    case 128: return launch_swapped_width<128, BF16, OutT>(&t, device, num_sms, s);
+    case 144: return launch_swapped_width<144, BF16, OutT>(&t, device, num_sms, s);
+    case 160: return launch_swapped_width<160, BF16, OutT>(&t, device, num_sms, s);
+    case 176: return launch_swapped_width<176, BF16, OutT>(&t, device, num_sms, s);
+    case 192: return launch_swapped_width<192, BF16, OutT>(&t, device, num_sms, s);
+    case 208: return launch_swapped_width<208, BF16, OutT>(&t, device, num_sms, s);
+    case 224: return launch_swapped_width<224, BF16, OutT>(&t, device, num_sms, s);
+    case 240: return launch_swapped_width<240, BF16, OutT>(&t, device, num_sms, s);
+    }
+    return RLK_UNSUPPORTED;
+}
+
 extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     const bool in_ok = args->in_dtype == RLK_BF16 || args->in_dtype == RLK_F16;
     const bool out_ok = args->out_dtype == args->in_dtype || args->out_dtype == RLK_F32;
@@ -244,7 +300,19 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
-    gemm_plan plan = choose_plan(args->M, args->N, args->K, !args->b_trans, true, num_sms);
+    /* swapped operands store out^T through TMA, from X and W K-major, without C (gemm_plan.swapped_bn) */
+    const int64_t out_row_bytes = args->ldo * 2;
+    const bool swappable = args->K > 0 && !args->a_trans && args->b_trans && args->c == nullptr &&
+                           args->out_dtype == args->in_dtype && (uintptr_t)args->out % 16 == 0 &&
+                           out_row_bytes % 16 == 0 && out_row_bytes < (1ll << 40);
+    gemm_plan plan = choose_plan(args->M, args->N, args->K, !args->b_trans, swappable, true, num_sms);
+    const cudaStream_t s = (cudaStream_t)ctx->stream;
+    if (plan.swapped_bn > 0) {  /* no scratch memory */
+        if (ctx->plan_only) return RLK_OK;
+        const int bn = plan.swapped_bn;
+        return args->in_dtype == RLK_BF16 ? launch_swapped<true, __nv_bfloat16>(bn, args, device, num_sms, s)
+                                          : launch_swapped<false, __half>(bn, args, device, num_sms, s);
+    }
     gemm_sm90_params p = gemm_params(args);
     k_chain_params kc = {};
     kc.chain_tiles = chain_tiles(args->K);
@@ -267,12 +335,11 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
      * it, with the same bits. K chains need theirs (a whole tile's running sum goes through it). */
     if (!args->workspace) {
         if (chained) return (int)cudaErrorInvalidValue;
-        plan = choose_plan(args->M, args->N, args->K, !args->b_trans, false, num_sms);
+        plan = choose_plan(args->M, args->N, args->K, !args->b_trans, swappable, false, num_sms);
     }
     p.stream_k = plan.stream_k;
     p.partials = (float *)args->workspace;
     kc.split = plan.chain_split;
-    const cudaStream_t s = (cudaStream_t)ctx->stream;
     return chained ? launch_dtypes<true>(plan.config, args, p, kc, device, num_sms, s)
                    : launch_dtypes<false>(plan.config, args, p, kc, device, num_sms, s);
 }

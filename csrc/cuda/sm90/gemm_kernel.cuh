@@ -259,6 +259,52 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row
     }
 }
 
+/* store_tile_tma for a tile of swapped operands (out^T = B^T A^T, the transposed-out Epilogue policies:
+ * the tile's rows are out's columns, its columns out's rows; 16-bit out). The same two 8 KB buffers, here
+ * each holding 64 of out's rows (64 of the tile's columns a round) x its 64 columns (the consumer's 64
+ * rows: 128 bytes), swizzled alike (chunk q of buffer row r at q ^ (r % 8)). A thread's values go in as
+ * 2-byte stores: a warp's 32 land in 4 buffer rows at 4 distinct chunks, no bank conflict. A last round
+ * past the tile's columns sends stale rows of the buffer, which must lie past out's last row for the
+ * TMA store to clip them: a transposed tile is out's only row tile, or BN is a multiple of 64. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void store_tile_tma_transposed(const float (&d)[BN / 2], int row0, int col0,
+                                                          const CUtensorMap *map_out, uint32_t epi_smem,
+                                                          uint32_t barrier_id) {
+    static_assert(sizeof(OutT) == 2, "the consumer's 64 rows of 16-bit out are one 128-byte buffer row");
+    constexpr int ROUNDS = (BN + 63) / 64;
+    const int t = threadIdx.x % 128, lane = t % 32;
+    const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h: out's column in the buffer row */
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const uint32_t buf = epi_smem + (r % 2) * EPI_BOX_BYTES;
+        if (t == 0) {  /* stores that may still read the other buffer */
+            if (r == 0 && ROUNDS % 2 == 1) bulk_wait_read<0>();
+            else bulk_wait_read<1>();
+        }
+        warpgroup_sync(barrier_id);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+            const int j = 8 * r + jj;
+            if (j >= BN / 8) break;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int buf_row = 8 * jj + 2 * (lane % 4) + e;  /* the tile's column - 64r: out's row */
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int byte = (tile_row + 8 * h) * 2;
+                    const uint32_t addr = buf + buf_row * 128 + (((byte / 16) ^ (buf_row % 8)) * 16) + byte % 16;
+                    st_shared_16(addr, d[4 * j + 2 * h + e], (OutT *)nullptr);
+                }
+            }
+        }
+        fence_proxy_async_smem();
+        warpgroup_sync(barrier_id);
+        if (t == 0) {
+            tma_store_2d(map_out, buf, row0, col0 + 64 * r);
+            bulk_commit();
+        }
+    }
+}
 
 /* Where a consumer's stores go: the out tensor map and this consumer's shared-memory buffers. */
 struct tile_store {
@@ -277,6 +323,7 @@ struct tile_store {
  *                   tile), or a unit's tiles (units of several: the row states handed over instead of
  *                   the accumulators, STATE_BN, hand_over / take_over below)
  *   K_CHAINS        the k-slices run as K chains (Params is k_chain_params; units of one tile)
+ *   TRANSPOSED      the tiles are of out^T (swapped operands: store_tile_tma_transposed)
  *   Params          its own kernel parameters
  *   begin(row0, p, ep) -> unit state, before the unit's first k loop
  *   tile<BN, BF16, TMA_STORE>(d, unit, row0, col0, p, ep, store), after each tile's k loop
@@ -287,15 +334,18 @@ struct tile_store {
  * that starts inside a unit. */
 
 /* Tiles of value(acc, C) stored to out (OutT): the GEMM (Value = gemm_value; CHAINS: its kernels for
- * K chains) and the linear_logp backward's fused dz (Value = dlogits_value, sm90/linear_logp.cu). */
-template <typename OutType, class Value, bool CHAINS = false>
+ * K chains; TRANSPOSED_OUT: its swapped operands, whose tiles are of out^T, stored through shared memory
+ * only and without C) and the linear_logp backward's fused dz (Value = dlogits_value, sm90/linear_logp.cu). */
+template <typename OutType, class Value, bool CHAINS = false, bool TRANSPOSED_OUT = false>
 struct store_tiles {
     using OutT = OutType;
     static_assert(!CHAINS || std::is_empty<typename Value::Params>::value, "the chained kernels' Params are their own");
     using Params = std::conditional_t<CHAINS, k_chain_params, typename Value::Params>;
     static constexpr int TILES_PER_UNIT = 1, CHAIN = 0;
     static constexpr bool STORES_TILES = true, PAIR_TAIL = Value::PAIR_TAIL;
-    static constexpr bool STREAM_K = Value::STREAM_K && !CHAINS, K_CHAINS = CHAINS;
+    static constexpr bool STREAM_K = Value::STREAM_K && !CHAINS && !TRANSPOSED_OUT, K_CHAINS = CHAINS;
+    static constexpr bool TRANSPOSED = TRANSPOSED_OUT;
+    static_assert(!(CHAINS && TRANSPOSED_OUT), "swapped operands run unchained");
     static __device__ __forceinline__ Value begin(int row0, const gemm_sm90_params &p, const Params &ep) {
         if constexpr (CHAINS) return Value::make(row0, p, typename Value::Params{});
         else return Value::make(row0, p, ep);
@@ -304,6 +354,11 @@ struct store_tiles {
     static __device__ __forceinline__ void tile(float (&d)[BN / 2], const Value &value, int row0, int col0,
                                                 const gemm_sm90_params &p, const Params &, const tile_store &store) {
         apply_epilogue<BN, OutT>(d, row0, col0, p, value);
+        if constexpr (TRANSPOSED) {
+            static_assert(TMA_STORE, "out^T is stored through shared memory only");
+            store_tile_tma_transposed<BN, OutT>(d, row0, col0, store.map_out, store.epi_smem, store.barrier_id);
+            return;
+        }
         if constexpr (TMA_STORE) {
             if (p.tma_store) {
                 store_tile_tma<BN, OutT>(d, row0, col0, store.map_out, store.epi_smem, store.barrier_id);
@@ -554,10 +609,11 @@ __device__ __forceinline__ bool gather_chains(float (&d)[BN / 2], const k_chain_
 }
 
 /* two epilogue buffers per consumer for the 2-consumer kernels that store their tiles (store_tile_tma,
- * which stores rounds of 128 bytes of columns: BN a multiple of 64) */
+ * which stores rounds of 128 bytes of columns: BN a multiple of 64; store_tile_tma_transposed, rounds of
+ * 64 columns of any BN) */
 template <int BN, int CONSUMERS, class Epilogue>
 __host__ __device__ constexpr int epi_buffers() {
-    return CONSUMERS == 2 && Epilogue::STORES_TILES && BN % 64 == 0 ? 2 * CONSUMERS : 0;
+    return CONSUMERS == 2 && Epilogue::STORES_TILES && (BN % 64 == 0 || Epilogue::TRANSPOSED) ? 2 * CONSUMERS : 0;
 }
 
 template <int BN, int CONSUMERS, int A_ROWS, int STAGES, int SLICES, class Epilogue>
@@ -941,9 +997,16 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
                                : make_tensor_map(&map_b, in_type, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER);
         if (!ok_a || !ok_b) return RLK_UNSUPPORTED;
     }
-    /* out as [M rows, N columns] in boxes of 64 rows x 128 bytes (store_tile_tma); else the register path */
+    /* out as [M rows, N columns] in boxes of 64 rows x 128 bytes (store_tile_tma); else the register path.
+     * Transposed: out^T, i.e. out as [N rows, M columns] in boxes of 64 x 64 (store_tile_tma_transposed),
+     * which the caller has checked TMA can describe */
     p.tma_store = 0;
-    if (epi_buffers<BN, CONSUMERS, Epilogue>() > 0 && (uintptr_t)args->out % 16 == 0 &&
+    if constexpr (Epilogue::TRANSPOSED) {
+        static_assert(sizeof(OutT) == 2 && !A_MN && !B_MN, "swapped operands: 16-bit out, K-major operands");
+        if (!make_tensor_map(&map_out, in_type, args->out, args->M, args->N, args->ldo * 2, 64, 64))
+            return RLK_UNSUPPORTED;
+        p.tma_store = 1;
+    } else if (epi_buffers<BN, CONSUMERS, Epilogue>() > 0 && (uintptr_t)args->out % 16 == 0 &&
         (args->ldo * (int64_t)sizeof(OutT)) % 16 == 0 && args->ldo * (int64_t)sizeof(OutT) < (1ll << 40)) {
         const CUtensorMapDataType out_type = sizeof(OutT) == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : in_type;
         p.tma_store = make_tensor_map(&map_out, out_type, args->out, args->N, args->M, args->ldo * (int64_t)sizeof(OutT),

@@ -181,6 +181,7 @@ struct logp_fold {
     using Params = logp_sm90_params;
     static constexpr int TILES_PER_UNIT = LOGP_SPLIT_COLS / BN, CHAIN = LOGP_CHAIN, STATE_BN = 16;
     static constexpr bool STORES_TILES = false, PAIR_TAIL = false, STREAM_K = true, K_CHAINS = false;
+    static constexpr bool TRANSPOSED = false;
     static_assert(LOGP_SPLIT_COLS % BN == 0, "a split is whole tiles");
     static __device__ __forceinline__ logp_row_states begin(int row0, const gemm_sm90_params &p,
                                                             const logp_sm90_params &lp) {

@@ -166,6 +166,13 @@ __device__ __forceinline__ int count_arrival(int *counter) {
 __device__ __forceinline__ void st_shared_pair(uint32_t addr, float2 v, float *) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
 }
+/* one value rounded to nearest 16-bit T (as pack_half2 rounds each of a pair) */
+template <typename T>
+__device__ __forceinline__ void st_shared_16(uint32_t addr, float v, T *) {
+    const uint16_t bits = std::is_same<T, __nv_bfloat16>::value ? __bfloat16_as_ushort(__float2bfloat16_rn(v))
+                                                                 : __half_as_ushort(__float2half_rn(v));
+    asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(bits) : "memory");
+}
 template <typename T>
 __device__ __forceinline__ void st_shared_pair(uint32_t addr, float2 v, T *) {
     asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(pack_half2<std::is_same<T, __nv_bfloat16>::value>(v.x, v.y))
