@@ -111,12 +111,14 @@ def test_k_chains_rows_bitwise_invariant_and_accurate(backend):
                    g[4080:].double() @ w.double()) <= bound
 
 
-# sm90 computes x @ W^T at 65-240 rows of x with many weight rows (the LM head) as out^T = W @ x^T, in one
-# tile of M rounded up to 16 columns (80 to 240 wide): every width here and both ends, against the rows of
-# a 300-row call (normal tiles), with inputs of wide exponent range so that any other order of the sums
-# would show; N = 70008 ends in a part tile of weight rows; out= with a row stride, the out^T tensor map's;
-# bias (C) and fp32 out take the normal tiles.
-SWAPPED_M = [64, 65, 80, 96, 100, 112, 128, 129, 144, 160, 176, 192, 200, 208, 209, 222, 224, 240, 241, 256]
+# sm90 computes x @ W^T at 65-1408 rows of x with many weight rows (the LM head) as out^T = W @ x^T, in
+# tiles of 80-240 of x's rows (tiles * width rounded up to 16): every width, one tile and several, and
+# neighbours that keep the normal tiles (64, 241, 256, 354, 1091), against the rows of a 1500-row call
+# (normal tiles), with inputs of wide exponent range so that any other order of the sums would show; N =
+# 70008 ends in a part tile of weight rows; out= with a row stride, the out^T tensor map's; bias (C) and
+# fp32 out take the normal tiles.
+SWAPPED_M = [64, 65, 80, 96, 100, 112, 128, 129, 144, 160, 176, 192, 200, 208, 209, 222, 224, 240, 241, 256,
+             257, 304, 354, 395, 421, 446, 479, 791, 1025, 1091, 1334]
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -129,16 +131,17 @@ def test_swapped_operands_bitwise(backend, dtype, n):
         x = torch.randn(shape, generator=gen, device="cuda")
         return (x * torch.exp(spread * torch.randn(shape, generator=gen, device="cuda"))).to(dtype)
 
-    a, w = wide(300, 4096), wide(n, 4096) * 0.01
+    rows = 1500
+    a, w = wide(rows, 4096), wide(n, 4096) * 0.01
     full = rl_kernels.det_gemm(a, w.t(), backend=backend)
     assert torch.isfinite(full).all()
     for m in SWAPPED_M:
         assert torch.equal(rl_kernels.det_gemm(a[:m], w.t(), backend=backend), full[:m]), f"prefix M={m}"
-        assert torch.equal(rl_kernels.det_gemm(a[300 - m:], w.t(), backend=backend), full[300 - m:]), \
+        assert torch.equal(rl_kernels.det_gemm(a[rows - m:], w.t(), backend=backend), full[rows - m:]), \
             f"suffix M={m}"
-    strided = torch.full((200, n + 64), 7.0, device="cuda", dtype=dtype)
-    rl_kernels.matmul(a[:200], w.t(), out=strided[:, :n], backend=backend)
-    assert torch.equal(strided[:, :n], full[:200]) and bool((strided[:, n:] == 7).all())
+    strided = torch.full((304, n + 64), 7.0, device="cuda", dtype=dtype)  # two tiles of 160 (the last part)
+    rl_kernels.matmul(a[:304], w.t(), out=strided[:, :n], backend=backend)
+    assert torch.equal(strided[:, :n], full[:304]) and bool((strided[:, n:] == 7).all())
     ref = a[:200].double() @ w.double().t()
     bias = wide(n) * 0.01
     with_bias = rl_kernels.addmm(bias, a[:200], w.t(), backend=backend)

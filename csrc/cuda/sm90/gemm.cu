@@ -20,8 +20,8 @@
  *   Every config but narrow stages one 64-wide k-slice at a time. Narrow tiles stream weights, and
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
- *   swapped: out^T = W X^T in tiles of 128 weight rows (2 consumers) x M rounded up to 16 (80-240), clusters
- *           of 2 sharing X by multicast, at 65-240 rows with at least 4 waves of weight tiles (the LM head).
+ *   swapped: out^T = W X^T in tiles of 128 weight rows (2 consumers) x 80-240 of M's rows, clusters of 2
+ *           sharing X by multicast, at 65-1408 rows with at least 4 waves of weight tiles (the LM head).
  * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64 rows,
  * unless two one-consumer row tiles of 16 or 32 columns fit), the weights streaming through as many SMs as
  * possible, and so does M <= 256 where a one-consumer narrow config's row tiles all fit in one wave (k / v);
@@ -96,22 +96,27 @@ typedef struct gemm_plan {
     int config;
     bool stream_k;     /* an equal share of the k-slices per cluster (unchained shapes) */
     bool chain_split;  /* the last, partly empty round of items by chains (chained shapes) */
-    int swapped_bn;    /* > 0: swapped operands, M in one tile of this many columns (launch_swapped) */
+    int swapped_bn;    /* > 0: swapped operands, M in tiles of this many columns (launch_swapped) */
 } gemm_plan;
 
-/* Swapped operands: out^T = W X^T, for out = X W^T with 65-240 rows and many weight rows (the LM head: N =
- * 151,936). wgmma's M is 64 rows a consumer, its N any multiple of 8, so the normal tiles compute M rounded
- * up to 128 (129 rows as 256), the swapped ones M rounded up to 16: W as A in 128-row tiles of 2 consumers,
- * the rows of X as one B tile that each cluster of 2 shares by multicast, out^T stored through shared
- * memory (store_tile_tma_transposed). Every element is the same k16 sequence of the same products, so the
- * same bits (tests/test_gpu_gemm.py; probed on an H200 with inputs of wide exponent range in every config:
- * 0 of 560 differ). H100, the head: 1.7-2.7% faster at 65-128 rows, 6% at 129-160, 2-3.5% at 192-222,
- * 0.5% at 240, 0.5% slower at 256 (perf-notes, "Swapped operands"). Where: unchained, K-major X and W, no
- * C, 16-bit out that TMA can store, M of 65-240 (up to 64 the one-consumer 64 x 64 tiles read the weights
- * at the copy rate), and at least SWAP_MIN_WAVES waves of weight tiles (fewer leave SMs idle in the last
- * wave: the 12,288-wide gate projection at M = 200 ran 15% slower swapped). */
+/* Swapped operands: out^T = W X^T, for out = X W^T with many weight rows (the LM head: N = 151,936) at
+ * 65-1408 rows. wgmma's M is 64 rows a consumer, its N any multiple of 8, so the normal tiles compute M
+ * rounded up to 128 (129 rows as 256, 304 as 384), the swapped ones M cut into the fewest tiles of at most
+ * SWAP_MAX_BN columns of equal width rounded up to 16 (304 as 2 x 160): W as A in 128-row tiles of 2
+ * consumers, the rows of X as B tiles that each cluster of 2 shares by multicast, out^T stored through
+ * shared memory (store_tile_tma_transposed). Every element is the same k16 sequence of the same
+ * products, so the same bits (tests/test_gpu_gemm.py; probed on an H200 with inputs of wide exponent
+ * range in every config: 0 of 560 differ). Taken where it computes fewer rows than the normal tiles by
+ * more than 1/32 (or M fits one tile: 65-240 rows), as measured on the H100 at the head (perf-notes,
+ * "Swapped operands"): 65-240 rows 2-6% faster, 257-479 3-12%, 791-1334 2-9%; not taken at 256 (0.5%
+ * slower) or 1091 (2.8% fewer rows: 1% slower). Also: unchained, K-major X and W, no C, 16-bit out that
+ * TMA can store, and at least SWAP_MIN_WAVES waves of weight tiles (fewer leave SMs idle in the last
+ * wave: the 12,288-wide gate projection at M = 200 ran 15% slower swapped). Up to 64 rows the
+ * one-consumer 64 x 64 tiles read the weights at the copy rate. */
 #define SWAP_MIN_M 65
-#define SWAP_MAX_M 240
+#define SWAP_MAX_M 1408
+#define SWAP_MIN_WAVES 4
+#define SWAP_MAX_BN 240
 #define SWAP_MIN_WAVES 4
 
 /* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers, or two row tiles of one
@@ -126,8 +131,12 @@ typedef struct gemm_plan {
 static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool swappable, bool has_workspace,
                              int num_sms) {
     const int chains = k_chains(K);
-    if (swappable && chains == 1 && M >= SWAP_MIN_M && M <= SWAP_MAX_M && (N + 127) / 128 >= SWAP_MIN_WAVES * num_sms)
-        return {CONFIG_LARGE, false, false, (int)(M + 15) / 16 * 16};
+    /* swapped operands (above): M in the fewest tiles of at most SWAP_MAX_BN columns, equal widths rounded up
+     * to 16, where that is one tile or computes fewer rows than the normal 128-row tiles by more than 1/32 */
+    if (swappable && chains == 1 && M >= SWAP_MIN_M && M <= SWAP_MAX_M && (N + 127) / 128 >= SWAP_MIN_WAVES * num_sms) {
+        const int64_t tiles = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN, bn = ((M + tiles - 1) / tiles + 15) / 16 * 16;
+        if (tiles == 1 || tiles * bn * 32 <= (M + 127) / 128 * 128 * 31) return {CONFIG_LARGE, false, false, (int)bn};
+    }
     const double steps = (double)((K + 63) / 64 * 4);
     if (M <= 128 && chains > 1) {
         /* K chains: 64 columns, one or two consumers; a row of tiles that leaves SMs idle is split */
@@ -254,8 +263,7 @@ static int launch_dtypes(int config, const rlk_gemm_args *args, const gemm_sm90_
 }
 
 /* out = X W^T as out^T = W X^T (gemm_plan.swapped_bn): the kernel's A is W, its B is X (K-major: X^T), its
- * M and N are N and M; one tile of BN columns holds all M rows of X (store_tile_tma_transposed's clipping
- * relies on it). Stages: as many of 128 + BN rows x 64 k as fit beside the epilogue buffers, up to 8. */
+ * M and N are N and M. Stages: as many of 128 + BN rows x 64 k as fit beside the epilogue buffers, up to 8. */
 template <int BN, bool BF16, typename OutT>
 static int launch_swapped_width(const rlk_gemm_args *swapped, int device, int num_sms, cudaStream_t stream) {
     using Tiles = store_tiles<OutT, gemm_value, false, true>;

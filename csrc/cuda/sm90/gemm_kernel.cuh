@@ -262,15 +262,16 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row
 /* store_tile_tma for a tile of swapped operands (out^T = B^T A^T, the transposed-out Epilogue policies:
  * the tile's rows are out's columns, its columns out's rows; 16-bit out). The same two 8 KB buffers, here
  * each holding 64 of out's rows (64 of the tile's columns a round) x its 64 columns (the consumer's 64
- * rows: 128 bytes), swizzled alike (chunk q of buffer row r at q ^ (r % 8)). A thread's values go in as
- * 2-byte stores: a warp's 32 land in 4 buffer rows at 4 distinct chunks, no bank conflict. A last round
- * past the tile's columns sends stale rows of the buffer, which must lie past out's last row for the
- * TMA store to clip them: a transposed tile is out's only row tile, or BN is a multiple of 64. */
+ * rows: 128 bytes), swizzled alike (chunk q of buffer row r at q ^ (r % 8)); a round goes out as boxes of
+ * 16 rows, those inside the tile (BN is a multiple of 16: nothing lands in the next tile's rows). A
+ * thread's values go in as 2-byte stores: a warp's 32 land in 4 buffer rows at 4 distinct chunks, no bank
+ * conflict. */
 template <int BN, typename OutT>
 __device__ __forceinline__ void store_tile_tma_transposed(const float (&d)[BN / 2], int row0, int col0,
                                                           const CUtensorMap *map_out, uint32_t epi_smem,
                                                           uint32_t barrier_id) {
     static_assert(sizeof(OutT) == 2, "the consumer's 64 rows of 16-bit out are one 128-byte buffer row");
+    static_assert(BN % 16 == 0, "boxes of 16 of out's rows");
     constexpr int ROUNDS = (BN + 63) / 64;
     const int t = threadIdx.x % 128, lane = t % 32;
     const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h: out's column in the buffer row */
@@ -300,7 +301,9 @@ __device__ __forceinline__ void store_tile_tma_transposed(const float (&d)[BN / 
         fence_proxy_async_smem();
         warpgroup_sync(barrier_id);
         if (t == 0) {
-            tma_store_2d(map_out, buf, row0, col0 + 64 * r);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (64 * r + 16 * q < BN) tma_store_2d(map_out, buf + q * 16 * 128, row0, col0 + 64 * r + 16 * q);
             bulk_commit();
         }
     }
@@ -998,12 +1001,12 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
         if (!ok_a || !ok_b) return RLK_UNSUPPORTED;
     }
     /* out as [M rows, N columns] in boxes of 64 rows x 128 bytes (store_tile_tma); else the register path.
-     * Transposed: out^T, i.e. out as [N rows, M columns] in boxes of 64 x 64 (store_tile_tma_transposed),
-     * which the caller has checked TMA can describe */
+     * Transposed: out^T, i.e. out as [N rows, M columns] in boxes of 16 rows x 64 columns
+     * (store_tile_tma_transposed), which the caller has checked TMA can describe */
     p.tma_store = 0;
     if constexpr (Epilogue::TRANSPOSED) {
         static_assert(sizeof(OutT) == 2 && !A_MN && !B_MN, "swapped operands: 16-bit out, K-major operands");
-        if (!make_tensor_map(&map_out, in_type, args->out, args->M, args->N, args->ldo * 2, 64, 64))
+        if (!make_tensor_map(&map_out, in_type, args->out, args->M, args->N, args->ldo * 2, 64, 16))
             return RLK_UNSUPPORTED;
         p.tma_store = 1;
     } else if (epi_buffers<BN, CONSUMERS, Epilogue>() > 0 && (uintptr_t)args->out % 16 == 0 &&
