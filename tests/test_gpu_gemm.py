@@ -283,10 +283,11 @@ def test_operand_base_alignment_changes_neither_kernel_nor_bits(backend, offset)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("m,k,n", [(1000, 4096, 4096), (4096, 4096, 1024), (300, 1024, 256)])
+@pytest.mark.parametrize("m,k,n", [(1000, 4096, 4096), (4096, 4096, 1024), (300, 1024, 256), (304, 1024, 70008)])
 def test_output_address_does_not_change_bits(backend, m, k, n):
-    """sm90 stores aligned outputs through shared memory + TMA and others from registers: the same
-    values either way."""
+    """sm90 stores aligned outputs through shared memory + TMA and others from registers, and runs the
+    last shape's aligned output on swapped operands (out^T through TMA) but the others on normal tiles:
+    the same values either way."""
     a = cuda_randn(m, k, seed=25)
     w = cuda_randn(n, k, seed=26, scale=k ** -0.5)
     aligned = rl_kernels.det_gemm(a, w.t(), backend=backend)
