@@ -117,7 +117,6 @@ typedef struct gemm_plan {
 #define SWAP_MAX_M 1408
 #define SWAP_MIN_WAVES 4
 #define SWAP_MAX_BN 240
-#define SWAP_MIN_WAVES 4
 
 /* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers, or two row tiles of one
  * consumer, 16 or 32 columns wide, where they fit in one wave). A tile's k loop takes about the same time at
@@ -133,9 +132,11 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
     const int chains = k_chains(K);
     /* swapped operands (above): M in the fewest tiles of at most SWAP_MAX_BN columns, equal widths rounded up
      * to 16, where that is one tile or computes fewer rows than the normal 128-row tiles by more than 1/32 */
-    if (swappable && chains == 1 && M >= SWAP_MIN_M && M <= SWAP_MAX_M && (N + 127) / 128 >= SWAP_MIN_WAVES * num_sms) {
+    const bool head_like = (N + 127) / 128 >= SWAP_MIN_WAVES * num_sms;
+    if (swappable && chains == 1 && head_like && M >= SWAP_MIN_M && M <= SWAP_MAX_M) {
         const int64_t tiles = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN, bn = ((M + tiles - 1) / tiles + 15) / 16 * 16;
-        if (tiles == 1 || tiles * bn * 32 <= (M + 127) / 128 * 128 * 31) return {CONFIG_LARGE, false, false, (int)bn};
+        const int64_t normal_rows = (M + 127) / 128 * 128;
+        if (tiles == 1 || tiles * bn * 32 <= normal_rows * 31) return {CONFIG_LARGE, false, false, (int)bn};
     }
     const double steps = (double)((K + 63) / 64 * 4);
     if (M <= 128 && chains > 1) {

@@ -613,7 +613,7 @@ __device__ __forceinline__ bool gather_chains(float (&d)[BN / 2], const k_chain_
 
 /* two epilogue buffers per consumer for the 2-consumer kernels that store their tiles (store_tile_tma,
  * which stores rounds of 128 bytes of columns: BN a multiple of 64; store_tile_tma_transposed, rounds of
- * 64 columns of any BN) */
+ * 64 columns in boxes of 16: BN a multiple of 16) */
 template <int BN, int CONSUMERS, class Epilogue>
 __host__ __device__ constexpr int epi_buffers() {
     return CONSUMERS == 2 && Epilogue::STORES_TILES && (BN % 64 == 0 || Epilogue::TRANSPOSED) ? 2 * CONSUMERS : 0;
