@@ -379,7 +379,9 @@ def test_fp32_gemm_equals_the_cpu_reference_bitwise(m, k, n):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("m,n", [(256, 512), (1025, 4096)])  # (1025, 4096): stream-K on sm90
+# (1025, 4096): stream-K on sm90; (200, 70008): swapped operands (a decode step's LM head, as rollout
+# engines capture it)
+@pytest.mark.parametrize("m,n", [(256, 512), (1025, 4096), (200, 70008)])
 def test_cuda_graph_capture(backend, m, n):
     a = cuda_randn(m, 1024, seed=20)
     w = cuda_randn(n, 1024, seed=21)
