@@ -274,25 +274,11 @@ static int launch_swapped_width(const rlk_gemm_args *swapped, int device, int nu
                                                                                 device, num_sms, stream);
 }
 
-template <bool BF16, typename OutT>
-static int launch_swapped(int bn, const rlk_gemm_args *args, int device, int num_sms, cudaStream_t s) {
-    rlk_gemm_args t = *args;
-    t.M = args->N, t.N = args->M;
-    t.a = args->b, t.lda = args->ldb, t.a_trans = 0;
-    t.b = args->a, t.ldb = args->lda, t.b_trans = 1;
-    switch (bn) {
-    case 80: return launch_swapped_width<80, BF16, OutT>(&t, device, num_sms, s);
-    case 96: return launch_swapped_width<96, BF16, OutT>(&t, device, num_sms, s);
-    case 112: return launch_swapped_width<112, BF16, OutT>(&t, device, num_sms, s);
-    case 128: return launch_swapped_width<128, BF16, OutT>(&t, device, num_sms, s);
-    case 144: return launch_swapped_width<144, BF16, OutT>(&t, device, num_sms, s);
-    case 160: return launch_swapped_width<160, BF16, OutT>(&t, device, num_sms, s);
-    case 176: return launch_swapped_width<176, BF16, OutT>(&t, device, num_sms, s);
-    case 192: return launch_swapped_width<192, BF16, OutT>(&t, device, num_sms, s);
-    case 208: return launch_swapped_width<208, BF16, OutT>(&t, device, num_sms, s);
-    case 224: return launch_swapped_width<224, BF16, OutT>(&t, device, num_sms, s);
-    case 240: return launch_swapped_width<240, BF16, OutT>(&t, device, num_sms, s);
-    }
+/* the width bn of 80, 96, ..., SWAP_MAX_BN: launch_swapped_width<bn> */
+template <int BN, bool BF16, typename OutT>
+static int launch_swapped(int bn, const rlk_gemm_args *swapped, int device, int num_sms, cudaStream_t s) {
+    if (bn == BN) return launch_swapped_width<BN, BF16, OutT>(swapped, device, num_sms, s);
+    if constexpr (BN < SWAP_MAX_BN) return launch_swapped<BN + 16, BF16, OutT>(bn, swapped, device, num_sms, s);
     return RLK_UNSUPPORTED;
 }
 
@@ -310,17 +296,19 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     if (err != cudaSuccess) return (int)err;
 
     /* swapped operands store out^T through TMA, from X and W K-major, without C (gemm_plan.swapped_bn) */
-    const int64_t out_row_bytes = args->ldo * 2;
     const bool swappable = args->K > 0 && !args->a_trans && args->b_trans && args->c == nullptr &&
-                           args->out_dtype == args->in_dtype && (uintptr_t)args->out % 16 == 0 &&
-                           out_row_bytes % 16 == 0 && out_row_bytes < (1ll << 40);
+                           args->out_dtype == args->in_dtype && tma_operand_ok(args->out, args->ldo);
     gemm_plan plan = choose_plan(args->M, args->N, args->K, !args->b_trans, swappable, true, num_sms);
     const cudaStream_t s = (cudaStream_t)ctx->stream;
     if (plan.swapped_bn > 0) {  /* no scratch memory */
         if (ctx->plan_only) return RLK_OK;
+        rlk_gemm_args t = *args;  /* out^T = W X^T: A = W, B = X (K-major: X^T), M and N swapped */
+        t.M = args->N, t.N = args->M;
+        t.a = args->b, t.lda = args->ldb, t.a_trans = 0;
+        t.b = args->a, t.ldb = args->lda, t.b_trans = 1;
         const int bn = plan.swapped_bn;
-        return args->in_dtype == RLK_BF16 ? launch_swapped<true, __nv_bfloat16>(bn, args, device, num_sms, s)
-                                          : launch_swapped<false, __half>(bn, args, device, num_sms, s);
+        return args->in_dtype == RLK_BF16 ? launch_swapped<80, true, __nv_bfloat16>(bn, &t, device, num_sms, s)
+                                          : launch_swapped<80, false, __half>(bn, &t, device, num_sms, s);
     }
     gemm_sm90_params p = gemm_params(args);
     k_chain_params kc = {};

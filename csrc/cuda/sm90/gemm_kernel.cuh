@@ -217,29 +217,45 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row0, i
 }
 
 /* Epilogue through shared memory (2-consumer GEMM configs, out 16-byte aligned with a 16-byte multiple
- * row stride): the block formed by apply_epilogue goes out in rounds of 64 rows x 128 bytes. Each round the
- * threads write their values into one of two 8 KB buffers in the TMA's 128-byte swizzle (16-byte chunk q
- * of row r at chunk q ^ (r % 8): a warp's 8 rows x 16 bytes hit all 32 banks once), and one thread issues
- * a TMA store of the box, which clips the M/N tails. The consumers then return to the next tile's wgmmas
- * while the copy engine writes global memory; a buffer is rewritten only after the store issued two rounds
- * earlier has finished reading it (every tile starts at buffer 0: after an even number of rounds the
- * previous tile's last store read buffer 1; after an odd number, buffer 0, so the first round waits for
- * every store). Same rounding as store_tile. */
-template <int BN, typename OutT>
-__device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row0, int col0,
-                                               const CUtensorMap *map_out, uint32_t epi_smem, uint32_t barrier_id) {
-    constexpr int ROUND_COLS = 128 / (int)sizeof(OutT);
-    constexpr int ROUNDS = BN / ROUND_COLS;
-    const int t = threadIdx.x % 128, lane = t % 32;
-    const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h; tile_row % 8 == lane / 4 */
+ * row stride): the block formed by apply_epilogue goes out in ROUNDS rounds. Each round the threads write
+ * their values into one of two 8 KB buffers (fill(r, buf)), and one thread issues the round's TMA stores
+ * (store(r, buf)), which clip the M/N tails. The consumers then return to the next tile's wgmmas while the
+ * copy engine writes global memory; a buffer is rewritten only after the store issued two rounds earlier
+ * has finished reading it (every tile starts at buffer 0: after an even number of rounds the previous
+ * tile's last store read buffer 1; after an odd number, buffer 0, so the first round waits for every
+ * store). */
+template <int ROUNDS, class Fill, class Store>
+__device__ __forceinline__ void store_rounds(int t, uint32_t epi_smem, uint32_t barrier_id, const Fill &fill,
+                                             const Store &store) {
+    const bool issuer = t == 0;  /* t: the thread's index in the warpgroup */
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
         const uint32_t buf = epi_smem + (r % 2) * EPI_BOX_BYTES;
-        if (t == 0) {  /* stores that may still read the other buffer */
+        if (issuer) {  /* stores that may still read the other buffer */
             if (r == 0 && ROUNDS % 2 == 1) bulk_wait_read<0>();
             else bulk_wait_read<1>();
         }
         warpgroup_sync(barrier_id);
+        fill(r, buf);
+        fence_proxy_async_smem();
+        warpgroup_sync(barrier_id);
+        if (issuer) {
+            store(r, buf);
+            bulk_commit();
+        }
+    }
+}
+
+/* store_rounds of 64 rows x 128 bytes of columns, in the TMA's 128-byte swizzle (16-byte chunk q of row r
+ * at chunk q ^ (r % 8): a warp's 8 rows x 16 bytes hit all 32 banks once), one box a round. Same rounding
+ * as store_tile. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row0, int col0,
+                                               const CUtensorMap *map_out, uint32_t epi_smem, uint32_t barrier_id) {
+    constexpr int ROUND_COLS = 128 / (int)sizeof(OutT);
+    const int t = threadIdx.x % 128, lane = t % 32;
+    const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h; tile_row % 8 == lane / 4 */
+    auto fill = [&](int r, uint32_t buf) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -250,13 +266,9 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], int row
                 st_shared_pair(addr, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), (OutT *)nullptr);
             }
         }
-        fence_proxy_async_smem();
-        warpgroup_sync(barrier_id);
-        if (t == 0) {
-            tma_store_2d(map_out, buf, col0 + r * ROUND_COLS, row0);
-            bulk_commit();
-        }
-    }
+    };
+    auto store = [&](int r, uint32_t buf) { tma_store_2d(map_out, buf, col0 + r * ROUND_COLS, row0); };
+    store_rounds<BN / ROUND_COLS>(t, epi_smem, barrier_id, fill, store);
 }
 
 /* store_tile_tma for a tile of swapped operands (out^T = B^T A^T, the transposed-out Epilogue policies:
@@ -272,17 +284,9 @@ __device__ __forceinline__ void store_tile_tma_transposed(const float (&d)[BN / 
                                                           uint32_t barrier_id) {
     static_assert(sizeof(OutT) == 2, "the consumer's 64 rows of 16-bit out are one 128-byte buffer row");
     static_assert(BN % 16 == 0, "boxes of 16 of out's rows");
-    constexpr int ROUNDS = (BN + 63) / 64;
     const int t = threadIdx.x % 128, lane = t % 32;
     const int tile_row = 16 * (t / 32) + lane / 4;  /* + 8h: out's column in the buffer row */
-#pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) {
-        const uint32_t buf = epi_smem + (r % 2) * EPI_BOX_BYTES;
-        if (t == 0) {  /* stores that may still read the other buffer */
-            if (r == 0 && ROUNDS % 2 == 1) bulk_wait_read<0>();
-            else bulk_wait_read<1>();
-        }
-        warpgroup_sync(barrier_id);
+    auto fill = [&](int r, uint32_t buf) {
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
             const int j = 8 * r + jj;
@@ -298,15 +302,13 @@ __device__ __forceinline__ void store_tile_tma_transposed(const float (&d)[BN / 
                 }
             }
         }
-        fence_proxy_async_smem();
-        warpgroup_sync(barrier_id);
-        if (t == 0) {
+    };
+    auto store = [&](int r, uint32_t buf) {
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                if (64 * r + 16 * q < BN) tma_store_2d(map_out, buf + q * 16 * 128, row0, col0 + 64 * r + 16 * q);
-            bulk_commit();
-        }
-    }
+        for (int q = 0; q < 4; ++q)
+            if (64 * r + 16 * q < BN) tma_store_2d(map_out, buf + q * 16 * 128, row0, col0 + 64 * r + 16 * q);
+    };
+    store_rounds<(BN + 63) / 64>(t, epi_smem, barrier_id, fill, store);
 }
 
 /* Where a consumer's stores go: the out tensor map and this consumer's shared-memory buffers. */
