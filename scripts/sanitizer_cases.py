@@ -33,6 +33,8 @@ def main():
         w = randn(300, 65600)
         for m in (200, 1):
             rl_kernels.det_gemm(randn(m, 65600), w.t(), backend=backend)
+        # the same chains on swapped operands (sm90: G W with W MN-major, as the LM head's dX): 2 tiles of 160
+        rl_kernels.det_gemm(randn(304, 65600), randn(65600, 2048), backend=backend)
     rl_kernels.matmul(randn(33, 45, dtype=torch.float32), randn(45, 19, dtype=torch.float32))  # 64 x 64 tiles
     big_a, big_b = randn(1100, 37, dtype=torch.float32), randn(2100, 37, dtype=torch.float32)  # 128 x 128
     rl_kernels.matmul(big_a, big_b.t())

@@ -86,8 +86,11 @@ def test_decode_stages_of_several_k_slices_bitwise(backend, k, n):
 # The LM head's dX (K = 151936): on sm90 its k-slices run as 4 chains summed in order (K >= 65536),
 # whole tiles chain after chain below one wave of tiles per round, the last round's tiles spread
 # chain by chain over CTAs; the narrow decode configs, all-split, whole rounds + a split round, and
-# whole rounds alone all occur among these M.
-HEAD_DX_M = [1, 7, 64, 100, 128, 129, 209, 304, 446, 791, 1025, 1468, 2661, 4096]
+# whole rounds alone all occur among these M. At 129-1408 rows sm90 mostly runs it on swapped operands
+# (dX^T = W^T G^T, tiles of 144-240 of G's rows: every width, one tile and several, and neighbours that
+# keep the normal tiles: 241, 487, 964, 1468), compared here with the normal tiles of M = 4096.
+HEAD_DX_M = [1, 7, 64, 100, 128, 129, 160, 176, 192, 209, 240, 241, 257, 304, 354, 395, 446, 479, 487, 600, 791,
+             964, 1025, 1091, 1334, 1408, 1468, 2661, 4096]
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -100,9 +103,17 @@ def test_k_chains_rows_bitwise_invariant_and_accurate(backend):
         assert torch.equal(rl_kernels.det_gemm(g[:m], w, backend=backend), full[:m]), f"prefix M={m} differs"
         assert torch.equal(rl_kernels.det_gemm(g[4096 - m:], w, backend=backend), full[4096 - m:]), \
             f"suffix M={m} differs"
-    w_k_major = w.t().contiguous().t()  # the same B, K-major: other tile configs
-    for m in (1, 209, 2661):
+    w_k_major = w.t().contiguous().t()  # the same B, K-major: other tile configs (never swapped)
+    for m in (1, 209, 304, 2661):
         assert torch.equal(rl_kernels.det_gemm(g[:m], w_k_major, backend=backend), full[:m]), f"K-major M={m}"
+    # out= with a row stride (the swapped tiles' out^T tensor map), and fp16 (its own swapped kernels)
+    strided = torch.full((304, hidden + 64), 7.0, device="cuda", dtype=full.dtype)
+    rl_kernels.matmul(g[:304], w, out=strided[:, :hidden], backend=backend)
+    assert torch.equal(strided[:, :hidden], full[:304]) and bool((strided[:, hidden:] == 7).all())
+    g16, w16 = g[:1500].half(), w.half()
+    full16 = rl_kernels.det_gemm(g16, w16, backend=backend)
+    for m in (209, 304, 1025, 1408):
+        assert torch.equal(rl_kernels.det_gemm(g16[:m], w16, backend=backend), full16[:m]), f"fp16 M={m}"
     # fp32 out vs fp64, H100: sm90's 4 chains 4.4e-5, one chain of 151936 (sm80, sm90 before) 1.8e-4
     bound = 1e-4 if backend == "sm90" else 3e-4
     rows = g[:16].double() @ w.double()

@@ -21,7 +21,9 @@
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
  *   swapped: out^T = W X^T in tiles of 128 weight rows (2 consumers) x 80-240 of M's rows, clusters of 2
- *           sharing X by multicast, at 65-1408 rows with at least 4 waves of weight tiles (the LM head).
+ *           sharing X by multicast, at 65-1408 rows with at least 4 waves of weight tiles (the LM head);
+ *           with K chains (the head's dX = G W as dX^T = W^T G^T, W MN-major) 144-240 of M's rows, where
+ *           the chain rounds cost less than the normal tiles'.
  * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64 rows,
  * unless two one-consumer row tiles of 16 or 32 columns fit), the weights streaming through as many SMs as
  * possible, and so does M <= 256 where a one-consumer narrow config's row tiles all fit in one wave (k / v);
@@ -117,6 +119,28 @@ typedef struct gemm_plan {
 #define SWAP_MAX_M 1408
 #define SWAP_MIN_WAVES 4
 #define SWAP_MAX_BN 240
+/* K chains (the head's dX = G W, K = 151,936, N = 4096) swap from 129 to SWAP_CHAINED_MAX_M rows: out^T =
+ * W^T G^T in tiles of 128 of W's columns x 144-240 of G's rows, where the chain rounds cost less than the
+ * normal tiles' (chained_ns) by more than 1/32; the normal tiles compute M rounded up to 128 (256 for a
+ * cluster's pair) and read W a second time for an odd row tile. A swapped tile's ns per k16 step is
+ * interpolated between medium's (128 wide) and large's (256) by width, times SWAP_CHAINED_STEP_SCALE: on
+ * the H100 the swapped tiles ran at 0.90-0.94 of the unscaled figure, the large tiles at 0.93-0.96 of theirs
+ * (perf-notes, "Swapped operands for the head's dX") */
+#define SWAP_CHAINED_MIN_BN 144
+#define SWAP_CHAINED_MAX_M 4096
+#define SWAP_CHAINED_STEP_SCALE 0.97
+
+/* ns of a chained plan: tiles in waves, or whole rounds and then the last round's tiles as one piece per
+ * chain (split: there is such a round and the pieces pay), at step_ns per k16 step of a tile */
+static double chained_ns(int64_t tiles, double steps, int chains, double step_ns, int num_sms, bool *split) {
+    const int64_t rest = tiles % num_sms;  /* tiles past the whole rounds */
+    const double waves_ns = (double)((tiles + num_sms - 1) / num_sms) * steps * step_ns;
+    const double split_ns = (double)(tiles / num_sms) * steps * step_ns +
+                            (double)((rest * chains + num_sms - 1) / num_sms) * ceil(steps / chains) * step_ns +
+                            CHAIN_SPLIT_FIXED_NS;
+    *split = rest > 0 && split_ns < waves_ns;
+    return *split ? split_ns : waves_ns;
+}
 
 /* Up to 128 rows (decode): one row of tiles, 64 rows (128 above 64: two consumers, or two row tiles of one
  * consumer, 16 or 32 columns wide, where they fit in one wave). A tile's k loop takes about the same time at
@@ -177,17 +201,28 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
         const double waves_ns = (double)((tiles + num_sms - 1) / num_sms) * steps * config_step_ns[c];
         const double stream_k_ns =
             ((double)tiles / num_sms + STREAM_K_EXTRA_WAVES) * steps * config_step_ns[c] + STREAM_K_FIXED_NS;
-        const int64_t rest = tiles % num_sms;  /* tiles past the whole rounds */
-        const double split_ns = (double)(tiles / num_sms) * steps * config_step_ns[c] +
-                                (double)((rest * chains + num_sms - 1) / num_sms) * ceil(steps / chains) *
-                                    config_step_ns[c] + CHAIN_SPLIT_FIXED_NS;
+        bool chain_split = false;
+        const double chain_ns = chained_ns(tiles, steps, chains, config_step_ns[c], num_sms, &chain_split);
+        chain_split = chain_split && has_workspace;
         const bool stream_k = has_workspace && chains == 1 && tiles > num_sms && stream_k_ns < waves_ns;
-        const bool chain_split = has_workspace && chains > 1 && rest > 0 && split_ns < waves_ns;
-        const double ns = stream_k ? stream_k_ns : chain_split ? split_ns : waves_ns;
+        const double ns = stream_k ? stream_k_ns : chain_split ? chain_ns : waves_ns;
         if (ns < best_ns) {
             best_ns = ns;
             best = {c, stream_k, chain_split, 0};
         }
+    }
+    /* K chains on swapped operands (SWAP_CHAINED_MIN_BN above): the fewest tiles of at most SWAP_MAX_BN of M's
+     * rows, equal widths rounded up to 16, taken where they cost less than the normal tiles by more than 1/32 */
+    if (swappable && chains > 1 && has_workspace && M > 128 && M <= SWAP_CHAINED_MAX_M) {
+        const int64_t m_tiles = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN;
+        const int64_t even = ((M + m_tiles - 1) / m_tiles + 15) / 16 * 16;
+        const int64_t bn = even > SWAP_CHAINED_MIN_BN ? even : SWAP_CHAINED_MIN_BN;
+        const double step_ns = SWAP_CHAINED_STEP_SCALE *
+                               (config_step_ns[CONFIG_MEDIUM] + (double)(bn - 128) / 128 *
+                                                                    (config_step_ns[CONFIG_LARGE] - config_step_ns[CONFIG_MEDIUM]));
+        bool split = false;
+        const double ns = chained_ns((N + 127) / 128 * m_tiles, steps, chains, step_ns, num_sms, &split);
+        if (ns * 32 < best_ns * 31) return {CONFIG_LARGE, false, split, (int)bn};
     }
     return best;
 }
@@ -265,21 +300,36 @@ static int launch_dtypes(int config, const rlk_gemm_args *args, const gemm_sm90_
 
 /* out = X W^T as out^T = W X^T (gemm_plan.swapped_bn): the kernel's A is W, its B is X (K-major: X^T), its
  * M and N are N and M. Stages: as many of 128 + BN rows x 64 k as fit beside the epilogue buffers, up to 8. */
-template <int BN, bool BF16, typename OutT>
-static int launch_swapped_width(const rlk_gemm_args *swapped, int device, int num_sms, cudaStream_t stream) {
-    using Tiles = store_tiles<OutT, gemm_value, false, true>;
+template <int BN, bool BF16, typename OutT, bool CHAINS>
+static int launch_swapped_width(const rlk_gemm_args *swapped, const gemm_sm90_params &p, const k_chain_params &kc,
+                                int device, int num_sms, cudaStream_t stream) {
+    using Tiles = store_tiles<OutT, gemm_value, CHAINS, true>;
     constexpr int STAGE_BYTES = (128 + BN) * BK * 2, FREE = 227 * 1024 - 4 * EPI_BOX_BYTES - SMEM_ALIGN - 16 * 8;
     constexpr int STAGES = FREE / STAGE_BYTES < 8 ? FREE / STAGE_BYTES : 8;
-    return launch_gemm_sm90<BN, 2, 64, STAGES, 1, 2, false, false, BF16, Tiles>(swapped, gemm_params(swapped), {},
-                                                                                device, num_sms, stream);
+    typename Tiles::Params ep{};
+    if constexpr (CHAINS) ep = kc;
+    /* chained: the head's dX = G W, whose W (B, MN-major) is the swapped A; unchained: X W^T, W K-major */
+    return launch_gemm_sm90<BN, 2, 64, STAGES, 1, 2, CHAINS, false, BF16, Tiles>(swapped, p, ep, device, num_sms,
+                                                                                 stream);
 }
 
-/* the width bn of 80, 96, ..., SWAP_MAX_BN: launch_swapped_width<bn> */
-template <int BN, bool BF16, typename OutT>
-static int launch_swapped(int bn, const rlk_gemm_args *swapped, int device, int num_sms, cudaStream_t s) {
-    if (bn == BN) return launch_swapped_width<BN, BF16, OutT>(swapped, device, num_sms, s);
-    if constexpr (BN < SWAP_MAX_BN) return launch_swapped<BN + 16, BF16, OutT>(bn, swapped, device, num_sms, s);
+/* the width bn of FIRST, FIRST + 16, ..., SWAP_MAX_BN: launch_swapped_width<bn> */
+template <int BN, bool BF16, typename OutT, bool CHAINS>
+static int launch_swapped(int bn, const rlk_gemm_args *swapped, const gemm_sm90_params &p, const k_chain_params &kc,
+                          int device, int num_sms, cudaStream_t s) {
+    if (bn == BN) return launch_swapped_width<BN, BF16, OutT, CHAINS>(swapped, p, kc, device, num_sms, s);
+    if constexpr (BN < SWAP_MAX_BN) return launch_swapped<BN + 16, BF16, OutT, CHAINS>(bn, swapped, p, kc, device, num_sms, s);
     return RLK_UNSUPPORTED;
+}
+
+/* The swapped product's arguments: out^T = B^T A^T, A = B^T (K-major B: K-major A; MN-major B: MN-major A),
+ * B = A^T (K-major: A is), M and N exchanged */
+static rlk_gemm_args swapped_args(const rlk_gemm_args *args) {
+    rlk_gemm_args t = *args;
+    t.M = args->N, t.N = args->M;
+    t.a = args->b, t.lda = args->ldb, t.a_trans = !args->b_trans;
+    t.b = args->a, t.ldb = args->lda, t.b_trans = 1;
+    return t;
 }
 
 extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
@@ -295,25 +345,39 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
 
-    /* swapped operands store out^T through TMA, from X and W K-major, without C (gemm_plan.swapped_bn) */
-    const bool swappable = args->K > 0 && !args->a_trans && args->b_trans && args->c == nullptr &&
+    /* swapped operands store out^T through TMA, from a K-major X (the tokens' rows), without C
+     * (gemm_plan.swapped_bn); W K-major (the forward's X W^T) unchained, MN-major (the head's dX = G W)
+     * with K chains: the kernels built */
+    const bool chained = k_chains(args->K) > 1;
+    const bool swappable = args->K > 0 && !args->a_trans && args->b_trans == !chained && args->c == nullptr &&
                            args->out_dtype == args->in_dtype && tma_operand_ok(args->out, args->ldo);
     gemm_plan plan = choose_plan(args->M, args->N, args->K, !args->b_trans, swappable, true, num_sms);
     const cudaStream_t s = (cudaStream_t)ctx->stream;
-    if (plan.swapped_bn > 0) {  /* no scratch memory */
-        if (ctx->plan_only) return RLK_OK;
-        rlk_gemm_args t = *args;  /* out^T = W X^T: A = W, B = X (K-major: X^T), M and N swapped */
-        t.M = args->N, t.N = args->M;
-        t.a = args->b, t.lda = args->ldb, t.a_trans = 0;
-        t.b = args->a, t.ldb = args->lda, t.b_trans = 1;
-        const int bn = plan.swapped_bn;
-        return args->in_dtype == RLK_BF16 ? launch_swapped<80, true, __nv_bfloat16>(bn, &t, device, num_sms, s)
-                                          : launch_swapped<80, false, __half>(bn, &t, device, num_sms, s);
-    }
-    gemm_sm90_params p = gemm_params(args);
     k_chain_params kc = {};
     kc.chain_tiles = chain_tiles(args->K);
-    const bool chained = k_chains(args->K) > 1;
+    kc.split = plan.chain_split;
+    if (plan.swapped_bn > 0) {
+        const rlk_gemm_args t = swapped_args(args);
+        const int bn = plan.swapped_bn;
+        gemm_sm90_params p = gemm_params(&t);
+        if (chained) {  /* the running sums' scratch memory, as for the normal tiles below */
+            if (ctx->plan_only) {
+                plan_work_items(&p, t.M, t.N, 128, bn, 1, 2, gemm_value::PAIR_TAIL);
+                ctx->workspace_bytes = chain_workspace_bytes(bn, 2, 2, p.work_items, k_chains(args->K),
+                                                             plan.chain_split, num_sms);
+                return RLK_OK;
+            }
+            if (!args->workspace) return (int)cudaErrorInvalidValue;
+            p.partials = (float *)args->workspace;
+            return args->in_dtype == RLK_BF16
+                       ? launch_swapped<SWAP_CHAINED_MIN_BN, true, __nv_bfloat16, true>(bn, &t, p, kc, device, num_sms, s)
+                       : launch_swapped<SWAP_CHAINED_MIN_BN, false, __half, true>(bn, &t, p, kc, device, num_sms, s);
+        }
+        if (ctx->plan_only) return RLK_OK;  /* no scratch memory */
+        return args->in_dtype == RLK_BF16 ? launch_swapped<80, true, __nv_bfloat16, false>(bn, &t, p, kc, device, num_sms, s)
+                                          : launch_swapped<80, false, __half, false>(bn, &t, p, kc, device, num_sms, s);
+    }
+    gemm_sm90_params p = gemm_params(args);
     if (ctx->plan_only) {
         const int bn = config_bn[plan.config], consumers = config_consumers[plan.config];
         if (chained) {
@@ -336,7 +400,6 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     }
     p.stream_k = plan.stream_k;
     p.partials = (float *)args->workspace;
-    kc.split = plan.chain_split;
     return chained ? launch_dtypes<true>(plan.config, args, p, kc, device, num_sms, s)
                    : launch_dtypes<false>(plan.config, args, p, kc, device, num_sms, s);
 }

@@ -350,7 +350,6 @@ struct store_tiles {
     static constexpr bool STORES_TILES = true, PAIR_TAIL = Value::PAIR_TAIL;
     static constexpr bool STREAM_K = Value::STREAM_K && !CHAINS && !TRANSPOSED_OUT, K_CHAINS = CHAINS;
     static constexpr bool TRANSPOSED = TRANSPOSED_OUT;
-    static_assert(!(CHAINS && TRANSPOSED_OUT), "swapped operands run unchained");
     static __device__ __forceinline__ Value begin(int row0, const gemm_sm90_params &p, const Params &ep) {
         if constexpr (CHAINS) return Value::make(row0, p, typename Value::Params{});
         else return Value::make(row0, p, ep);
@@ -556,6 +555,13 @@ __device__ __forceinline__ void load_partial(float (&d)[BN / 2], const float *sl
     }
 }
 
+template <int N, int MAX>
+__host__ __device__ constexpr int largest_divisor_upto() {
+    int d = MAX;
+    while (N % d != 0) --d;
+    return d;
+}
+
 /* K chains (see the top of this file). A whole item's running sum: d = slot + d after every chain but
  * the first, stored back after every chain but the last. Each thread reads only what it wrote. */
 template <int BN>
@@ -587,25 +593,26 @@ __device__ __forceinline__ bool gather_chains(float (&d)[BN / 2], const k_chain_
     warpgroup_sync(1u + c);
     const bool counted_last = t == 0 && count_arrival(kc.arrivals + block) == kc.chains - 1;
     if (!warpgroup_any(1u + c, counted_last)) return false;
-    /* in blocks of 8 float4 per thread, so that the loads in flight fit beside d */
-    static_assert(BN % 64 == 0, "the chained configs are 64, 128 or 256 wide");
+    /* in blocks of up to 8 float4 per thread (a divisor of BN / 8: the swapped operands' widths are
+     * multiples of 16), so that the loads in flight fit beside d */
+    constexpr int F4 = BN / 8, BLOCK = largest_divisor_upto<F4, 8>();
 #pragma unroll
-    for (int i0 = 0; i0 < BN / 8; i0 += 8) {
-        float4 sum[8];
+    for (int i0 = 0; i0 < F4; i0 += BLOCK) {
+        float4 sum[BLOCK];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sum[i] = __ldcg(slots + (i0 + i) * 128);
+        for (int i = 0; i < BLOCK; ++i) sum[i] = __ldcg(slots + (i0 + i) * 128);
         for (int j = 1; j < kc.chains; ++j) {
-            float4 v[8];
+            float4 v[BLOCK];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = __ldcg(slots + (j * (BN / 8) + i0 + i) * 128);
+            for (int i = 0; i < BLOCK; ++i) v[i] = __ldcg(slots + (j * F4 + i0 + i) * 128);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
+            for (int i = 0; i < BLOCK; ++i) {
                 sum[i].x = __fadd_rn(sum[i].x, v[i].x), sum[i].y = __fadd_rn(sum[i].y, v[i].y);
                 sum[i].z = __fadd_rn(sum[i].z, v[i].z), sum[i].w = __fadd_rn(sum[i].w, v[i].w);
             }
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < BLOCK; ++i) {
             const int e = 4 * (i0 + i);
             d[e] = sum[i].x, d[e + 1] = sum[i].y, d[e + 2] = sum[i].z, d[e + 3] = sum[i].w;
         }
@@ -1007,7 +1014,7 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
      * (store_tile_tma_transposed), which the caller has checked TMA can describe */
     p.tma_store = 0;
     if constexpr (Epilogue::TRANSPOSED) {
-        static_assert(sizeof(OutT) == 2 && !A_MN && !B_MN, "swapped operands: 16-bit out, K-major operands");
+        static_assert(sizeof(OutT) == 2 && !B_MN, "swapped operands: 16-bit out, K-major B (the tokens' rows)");
         if (!make_tensor_map(&map_out, in_type, args->out, args->M, args->N, args->ldo * 2, 64, 16))
             return RLK_UNSUPPORTED;
         p.tma_store = 1;
