@@ -313,7 +313,8 @@ static int launch_swapped_width(const rlk_gemm_args *swapped, const gemm_sm90_pa
                                                                                  stream);
 }
 
-/* the width bn of FIRST, FIRST + 16, ..., SWAP_MAX_BN: launch_swapped_width<bn> */
+/* the width bn of BN, BN + 16, ..., SWAP_MAX_BN (BN: the narrowest built, 80 unchained, SWAP_CHAINED_MIN_BN
+ * chained): launch_swapped_width<bn> */
 template <int BN, bool BF16, typename OutT, bool CHAINS>
 static int launch_swapped(int bn, const rlk_gemm_args *swapped, const gemm_sm90_params &p, const k_chain_params &kc,
                           int device, int num_sms, cudaStream_t s) {
