@@ -333,6 +333,17 @@ static rlk_gemm_args swapped_args(const rlk_gemm_args *args) {
     return t;
 }
 
+/* Scratch memory of a K-chained product of M x N in bm x bn tiles on clusters of `cluster`: its items as
+ * launch_gemm_sm90 plans them for the chained store_tiles, then chain_workspace_bytes. */
+static int64_t chained_scratch_bytes(int64_t M, int64_t N, int64_t K, int bm, int bn, int cluster, bool split,
+                                     int num_sms) {
+    using ChainedTiles = store_tiles<float, gemm_value, true>;
+    gemm_sm90_params p;
+    memset(&p, 0, sizeof(p));
+    plan_work_items(&p, M, N, bm, bn, ChainedTiles::TILES_PER_UNIT, cluster, ChainedTiles::PAIR_TAIL);
+    return chain_workspace_bytes(bn, bm / 64, cluster, p.work_items, k_chains(K), split, num_sms);
+}
+
 extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     const bool in_ok = args->in_dtype == RLK_BF16 || args->in_dtype == RLK_F16;
     const bool out_ok = args->out_dtype == args->in_dtype || args->out_dtype == RLK_F32;
@@ -357,48 +368,39 @@ extern "C" int rlk_gemm_sm90(const rlk_gemm_args *args, rlk_context *ctx) {
     k_chain_params kc = {};
     kc.chain_tiles = chain_tiles(args->K);
     kc.split = plan.chain_split;
+    /* K chains need their scratch memory (a whole tile's running sum goes through it) */
+    if (chained && !ctx->plan_only && !args->workspace) return (int)cudaErrorInvalidValue;
     if (plan.swapped_bn > 0) {
         const rlk_gemm_args t = swapped_args(args);
         const int bn = plan.swapped_bn;
+        if (ctx->plan_only) {  /* unchained: no scratch memory */
+            if (chained) ctx->workspace_bytes = chained_scratch_bytes(t.M, t.N, t.K, 128, bn, 2, plan.chain_split, num_sms);
+            return RLK_OK;
+        }
         gemm_sm90_params p = gemm_params(&t);
-        if (chained) {  /* the running sums' scratch memory, as for the normal tiles below */
-            if (ctx->plan_only) {
-                plan_work_items(&p, t.M, t.N, 128, bn, 1, 2, gemm_value::PAIR_TAIL);
-                ctx->workspace_bytes = chain_workspace_bytes(bn, 2, 2, p.work_items, k_chains(args->K),
-                                                             plan.chain_split, num_sms);
-                return RLK_OK;
-            }
-            if (!args->workspace) return (int)cudaErrorInvalidValue;
+        if (chained) {
             p.partials = (float *)args->workspace;
             return args->in_dtype == RLK_BF16
                        ? launch_swapped<SWAP_CHAINED_MIN_BN, true, __nv_bfloat16, true>(bn, &t, p, kc, device, num_sms, s)
                        : launch_swapped<SWAP_CHAINED_MIN_BN, false, __half, true>(bn, &t, p, kc, device, num_sms, s);
         }
-        if (ctx->plan_only) return RLK_OK;  /* no scratch memory */
         return args->in_dtype == RLK_BF16 ? launch_swapped<80, true, __nv_bfloat16, false>(bn, &t, p, kc, device, num_sms, s)
                                           : launch_swapped<80, false, __half, false>(bn, &t, p, kc, device, num_sms, s);
     }
-    gemm_sm90_params p = gemm_params(args);
     if (ctx->plan_only) {
         const int bn = config_bn[plan.config], consumers = config_consumers[plan.config];
-        if (chained) {
-            using ChainedTiles = store_tiles<float, gemm_value, true>; /* its items, as launch_gemm_sm90 plans them */
-            const int cluster = config_cluster(plan.config, !args->b_trans);
-            plan_work_items(&p, args->M, args->N, 64 * consumers, bn, ChainedTiles::TILES_PER_UNIT, cluster,
-                            ChainedTiles::PAIR_TAIL);
-            ctx->workspace_bytes =
-                chain_workspace_bytes(bn, consumers, cluster, p.work_items, k_chains(args->K), plan.chain_split, num_sms);
-        } else if (plan.stream_k) {
+        if (chained)
+            ctx->workspace_bytes = chained_scratch_bytes(args->M, args->N, args->K, 64 * consumers, bn,
+                                                         config_cluster(plan.config, !args->b_trans), plan.chain_split,
+                                                         num_sms);
+        else if (plan.stream_k)
             ctx->workspace_bytes = stream_k_workspace_bytes(bn, consumers, num_sms);
-        }
         return RLK_OK;
     }
     /* stream-K is a choice of schedule only: a call given no scratch memory runs the best plan without
-     * it, with the same bits. K chains need theirs (a whole tile's running sum goes through it). */
-    if (!args->workspace) {
-        if (chained) return (int)cudaErrorInvalidValue;
-        plan = choose_plan(args->M, args->N, args->K, !args->b_trans, swappable, false, num_sms);
-    }
+     * it, with the same bits */
+    if (!args->workspace) plan = choose_plan(args->M, args->N, args->K, !args->b_trans, swappable, false, num_sms);
+    gemm_sm90_params p = gemm_params(args);
     p.stream_k = plan.stream_k;
     p.partials = (float *)args->workspace;
     return chained ? launch_dtypes<true>(plan.config, args, p, kc, device, num_sms, s)
