@@ -364,6 +364,7 @@ struct FwdParams : CallParams {
  * rows_per_query of head head0 + (row0 + r) % rows_per_query; key blocks [block_begin, block_end). */
 struct FwdCta {
     SequenceRange range;
+    bool range_ok; /* load_sequence's answer for range (with write_rows) */
     int b, segment, kv_head, head0, row0, rows_per_query, rows_in, block_begin, block_end, causal;
 
     __device__ __forceinline__ int query_of(int r) const { return (row0 + r) / rows_per_query; }
@@ -382,7 +383,8 @@ template <int ROWS, bool SPLIT, int KEYS = BLOCK_N>
 __device__ __forceinline__ bool fwd_cta(const FwdParams &p, int tile, FwdCta &cta) {
     const int x = tile % p.grid_x, yz = tile / p.grid_x, y = yz % p.grid_y;
     cta.b = yz / p.grid_y;
-    if (!load_sequence(p.seq, cta.b, cta.range, true)) return false;
+    cta.range_ok = load_sequence(p.seq, cta.b, cta.range, true);
+    if (!cta.range_ok) return false;
     cta.causal = p.causal;
     cta.segment = 0;
     if (SPLIT) {
@@ -416,12 +418,14 @@ __device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tenso
 
 /* Split schedule, the merge of row (b, i, head): its segment records 0 .. ceil(L / 512) - 1 merged in
  * order and normalized, with the prefill kernel's merge_segment and finalize_row; lane j of D / 4
- * threads holds columns 4 j .. 4 j + 3. The combine kernel calls it, and so does (sm90) the split
- * kernel's rank 0 when the segments ran as one cluster. */
+ * threads holds columns 4 j .. 4 j + 3. range: sequence b's, as load_sequence (write_rows) gave it to
+ * the caller. The combine kernel calls it, and so does (sm90) the split kernel's rank 0 when the
+ * segments ran as one cluster, with the range its tile loaded (a second load of it sat in that
+ * merge's dependent chain). */
 template <bool BF16, int D>
-__device__ __forceinline__ void combine_row(const FwdParams &p, int b, int i, int head, int j) {
-    SequenceRange range;
-    if (!load_sequence(p.seq, b, range, true) || i >= range.q_len) return;
+__device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRange &range, int b, int i, int head,
+                                            int j) {
+    if (i >= range.q_len) return;
     const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
 
     /* the records are read BATCH segments at a time, all loads in flight together, then merged in
@@ -467,8 +471,10 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
     const int64_t row = (int64_t)blockIdx.x * ROWS_PER_CTA + threadIdx.x / LANES;
     if (row >= p.rows_total) return;
     const int64_t bi = row / p.heads_q;
-    combine_row<BF16, D>(p, (int)(bi / p.seq.max_q_len), (int)(bi % p.seq.max_q_len), (int)(row % p.heads_q),
-                         threadIdx.x % LANES);
+    const int b = (int)(bi / p.seq.max_q_len);
+    SequenceRange range;
+    if (!load_sequence(p.seq, b, range, true)) return;
+    combine_row<BF16, D>(p, range, b, (int)(bi % p.seq.max_q_len), (int)(row % p.heads_q), threadIdx.x % LANES);
 }
 
 /* ------------------------------------ backward ---------------------------------------------- */

@@ -387,19 +387,22 @@ struct FwdTiles {
  * (or none: a CTA without work), arrives on rank 0's merge barrier with release semantics; rank 0's
  * consumer warpgroup waits for all of them and merges the tile's rows with the combine kernel's
  * combine_row, which reads the records back from global memory (L2). A rank other than 0 may exit
- * at once: only its own shared memory would make it wait, and nobody reads that. */
+ * at once: only its own shared memory would make it wait, and nobody reads that. range, range_ok: the
+ * tile's sequence range as fwd_cta loaded it. */
 template <bool BF16, int D>
-__device__ __forceinline__ void merge_in_cluster(const FwdParams &p, uint32_t merge_bar, int tid) {
+__device__ __forceinline__ void merge_in_cluster(const FwdParams &p, const SequenceRange &range, bool range_ok,
+                                                 uint32_t merge_bar, int tid) {
     cluster_wait(); /* the barrier's init */
     mbar_arrive_release_cluster(merge_bar, 0);
     if (cluster_ctarank() != 0) return;
     mbar_wait<true>(merge_bar, 0);
+    if (!range_ok) return;
     constexpr int LANES = D / 4;
     const int kv_head = blockIdx.y % p.heads_kv, row0 = (blockIdx.y / p.heads_kv) * SPLIT_ROWS;
     for (int r = tid / LANES; r < SPLIT_ROWS; r += 128 / LANES) {
         const int i = (row0 + r) / p.group;
         if (i >= p.seq.max_q_len) break;
-        combine_row<BF16, D>(p, blockIdx.z, i, kv_head * p.group + (row0 + r) % p.group, tid % LANES);
+        combine_row<BF16, D>(p, range, blockIdx.z, i, kv_head * p.group + (row0 + r) % p.group, tid % LANES);
     }
 }
 
@@ -585,7 +588,10 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
 
         uint32_t first = 0; /* the tile's first ring item */
         FwdCta cta;
-        for (int n = 0, tile = start_tile(0, cta); tile >= 0; ++n) {
+        int tile = start_tile(0, cta);
+        const SequenceRange first_range = cta.range; /* split: the cluster merge's rows */
+        const bool first_range_ok = cta.range_ok;
+        for (int n = 0; tile >= 0; ++n) {
             /* every thread's Q rows landed (barrier), and the tile's number read: free_tile. Q in
              * registers: the fragments read, then the slab free again (second barrier); Q in the slab:
              * S reads it there, and the tile's last wgmma_wait frees it */
@@ -756,7 +762,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
             tile = next;
         }
         if constexpr (SPLIT)
-            if (p.cluster_merge) merge_in_cluster<BF16, D>(p, merge_bar, tid);
+            if (p.cluster_merge) merge_in_cluster<BF16, D>(p, first_range, first_range_ok, merge_bar, tid);
     }
 }
 
