@@ -467,14 +467,14 @@ def _rollout(model, prompts, max_new_tokens, temperature, greedy, generator, eos
     device = head.weight.device
     ids, mask = left_pad(prompts, pad_token_id, device)
     positions = position_ids_from_mask(mask)
-    cache = {_cache_keyword(body): cache_class(config=model.config)}  # keyword -> the KV cache
+    cache_kwargs = {_cache_keyword(body): cache_class(config=model.config)}
     batch = len(prompts)
     completions = [[] for _ in range(batch)]
     logps, entropies = [[] for _ in range(batch)], [[] for _ in range(batch)]
     done = [False] * batch
     with context():
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                      **cache).last_hidden_state[:, -1]
+                      **cache_kwargs).last_hidden_state[:, -1]
     for step in range(max_new_tokens):
         logits = torch.nn.functional.linear(hidden, head.weight, head.bias).float()
         if greedy:
@@ -500,7 +500,7 @@ def _rollout(model, prompts, max_new_tokens, temperature, greedy, generator, eos
         positions = positions[:, -1:] + 1
         with context():
             hidden = body(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
-                          use_cache=True, **cache).last_hidden_state[:, -1]
+                          use_cache=True, **cache_kwargs).last_hidden_state[:, -1]
     as_tensor = functools.partial(torch.tensor, dtype=torch.float32)
     return Rollout([list(p) for p in prompts], completions, [as_tensor(x) for x in logps],
                    [as_tensor(x) for x in entropies])

@@ -203,7 +203,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
             ((double)tiles / num_sms + STREAM_K_EXTRA_WAVES) * steps * config_step_ns[c] + STREAM_K_FIXED_NS;
         bool chain_split = false;
         const double chain_ns = chained_ns(tiles, steps, chains, config_step_ns[c], num_sms, &chain_split);
-        chain_split = chain_split && has_workspace;
+        chain_split = chain_split && chains > 1 && has_workspace;
         const bool stream_k = has_workspace && chains == 1 && tiles > num_sms && stream_k_ns < waves_ns;
         const double ns = stream_k ? stream_k_ns : chain_split ? chain_ns : waves_ns;
         if (ns < best_ns) {
