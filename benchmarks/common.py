@@ -16,7 +16,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS_TABLE = ROOT / "docs" / "benchmarks.md"
-L2_BYTES = 50 << 20  # H100: 50 MB
+L2_BYTES_DEFAULT = 50 << 20  # H100: 50 MB (H200: 60 MB); the device's own size where CUDA is up
+
+
+def l2_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size or L2_BYTES_DEFAULT
+    return L2_BYTES_DEFAULT
 
 
 def commit() -> str:
@@ -50,7 +56,7 @@ def record(op, backend, dtype, shape, pass_, ms, baseline, baseline_ms, tflops=N
 
 def copies_to_rotate(bytes_per_set: int) -> int:
     """Input sets needed so that rotating among them does not measure the L2 cache."""
-    return max(1, min(24, -(-3 * L2_BYTES // max(1, bytes_per_set))))
+    return max(1, min(24, -(-3 * l2_bytes() // max(1, bytes_per_set))))
 
 
 def cuda_median_ms(fn, sets, warmup=3, reps=20) -> float:
