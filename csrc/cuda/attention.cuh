@@ -26,6 +26,7 @@
 #ifndef RLK_CUDA_ATTENTION_CUH_
 #define RLK_CUDA_ATTENTION_CUH_
 
+#include <cuda.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -489,6 +490,11 @@ struct BwdParams : CallParams {
     /* the backward's one grid (launch_bwd): CTAs 0 .. dkdv_ctas - 1 are dK/dV key tiles (key_tile), the
      * others dQ row tiles (query_tile); key_tiles / row_tiles per (sequence, head) */
     int key_tiles, row_tiles, dkdv_ctas;
+    /* sm90: TMA maps in boxes of a backward block's rows (the backend's Backward fills them and sets
+     * tma; else every block is copied by cp.async): Q and dO (coordinates: column, row, query head,
+     * sequence x q_map_batch), K and V (column, row, kv head, sequence x k_map_batch) */
+    CUtensorMap q_map, do_map, k_map, v_map;
+    int tma, q_map_batch, k_map_batch;
 };
 
 /* The backward's first kernel, shared by the backends: 8 threads per (b, h, i) row: D = sum_d
@@ -699,10 +705,13 @@ CallParams call_params(const rlk_attention_args *a) {
  * PERSISTENT); prefill and split are its attention_fwd_kernel<BF16, D, false> and <BF16, D, true>.
  * A PERSISTENT prefill plan gets MIN_CTAS CTAs per SM (fewer when there are fewer tiles; at most
  * PERSISTENT_CTAS_MAX), each taking tile blockIdx.x first and then tickets from a counter in the
- * workspace (persistent_workspace_bytes; the counter zeroed here). */
-template <bool BF16, int D, template <int, bool> class Tiles>
-int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream, void (*prefill)(FwdParams),
-               void (*split)(FwdParams), bool dependent_combine, int merge_cluster_max) {
+ * workspace (persistent_workspace_bytes; the counter zeroed here). The prefill kernel's parameters are
+ * PrefillParams, FwdParams or a backend's extension of it that prepare_prefill (null: none) fills
+ * (sm90: the TMA maps). */
+template <bool BF16, int D, template <int, bool> class Tiles, class PrefillParams = FwdParams>
+int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream,
+               void (*prefill)(PrefillParams), void (*split)(FwdParams), bool dependent_combine, int merge_cluster_max,
+               void (*prepare_prefill)(PrefillParams &, const rlk_attention_args *) = nullptr) {
     static_assert(Tiles<D, true>::ROWS == SPLIT_ROWS, "pick_schedule sizes the split schedule by its CTA rows");
     static_assert(!Tiles<D, true>::PERSISTENT, "the split schedule's grid is a CTA per tile");
     FwdParams p{call_params(a)};
@@ -734,7 +743,9 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
             const int ctas = std::min(sms * PrefillTiles::MIN_CTAS, PERSISTENT_CTAS_MAX);
             grid = dim3((unsigned)std::min<int64_t>(tiles, ctas));
         }
-        prefill<<<grid, PrefillTiles::THREADS, PrefillTiles::SMEM_BYTES, stream>>>(p);
+        PrefillParams prefill_params{p};
+        if (prepare_prefill) prepare_prefill(prefill_params, a);
+        prefill<<<grid, PrefillTiles::THREADS, PrefillTiles::SMEM_BYTES, stream>>>(prefill_params);
         return (int)cudaGetLastError();
     }
     using SplitTiles = Tiles<D, true>;

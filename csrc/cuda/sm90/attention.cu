@@ -6,18 +6,19 @@
  * state (m, l, acc) is built block by block from empty, and
  * the segments' states are merged in increasing order into the row state, which is normalized at the
  * end. Two schedules run that same arithmetic:
- *   attention_fwd_kernel<SPLIT = false> (prefill, training, chunked prefill): persistent, one CTA
- *     per SM taking tiles of 128 query rows of one (sequence, head) one after the other (its
+ *   attention_fwd_kernel (fwd_pipeline<SPLIT = false>: prefill, training, chunked prefill):
+ *     persistent, one CTA per SM taking tiles of 128 query rows of one (sequence, head) one after the other (its
  *     blockIdx.x, then tickets from an atomic counter, in the order of the heaviest causal tiles
  *     first): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a producer warpgroup
- *     (setmaxnreg: 48 registers, consumers 224) that streams each tile's blocks of 128 keys with
- *     cp.async into a 4-stage ring completing on mbarriers (full: the producer's copies have landed and
- *     were fenced for the tensor cores; empty: every consumer warp is done with the stage), one stream
- *     across the tiles, so the next tile's first blocks load while the consumers finish the current
- *     one. A block's K and its V are separate ring items (32 KB each at d = 128): K(t) is freed once S
- *     of block t has read it, so K(t + 1) loads while the consumers still hold V(t - 1). Each consumer
- *     warpgroup copies its own 64 Q rows into its own slab of the Q tile, the next tile's under the
- *     current one's epilogue.
+ *     (setmaxnreg: 48 registers, consumers 224) that streams each tile's blocks of 128 keys into a
+ *     4-stage ring completing on mbarriers (full: the producer's copies have landed and were fenced for
+ *     the tensor cores; empty: every consumer warp is done with the stage): whole blocks by TMA (a 4-D
+ *     map over K or V: column, row, kv head, sequence), a sequence's last, partial block by cp.async
+ *     zero-filling the rows past k_len; one stream across the tiles, so the next tile's first blocks
+ *     load while the consumers finish the current one. A block's K and its V are separate ring items
+ *     (32 KB each at d = 128): K(t) is freed once S of block t has read it, so K(t + 1) loads while the
+ *     consumers still hold V(t - 1). Each consumer warpgroup copies its own 64 Q rows into its own
+ *     slab of the Q tile, the next tile's under the current one's epilogue.
  *     Every tile is stored in the wgmma 128-byte swizzle (boxes of rows x 64 elements, 16-byte chunk c
  *     of row r at chunk c ^ (r % 8)). Per block and warpgroup: S = Q K^T (wgmma m64n128k16 over
  *     head_dim; Q from its slab and K from its stage, both in shared memory, K-major), the
@@ -32,19 +33,20 @@
  *     shared memory, touched only there) and restarts the segment from empty; after its last block it
  *     normalizes and writes out and lse. A warpgroup skips the blocks none of its rows can see (the
  *     causal diagonal) but still waits for and releases them; the heaviest causal tiles start first.
- *   attention_fwd_kernel<SPLIT = true> + attention_combine_kernel (split-KV decode): a CTA of one
- *     consumer warpgroup and the producer owns one (sequence, kv head, segment) and 64 rows made of
+ *   attention_fwd_split_kernel (fwd_pipeline<SPLIT = true>) + attention_combine_kernel (split-KV
+ *     decode): a CTA of one consumer warpgroup and the producer owns one (sequence, kv head, segment) and 64 rows made of
  *     the group's G query heads of consecutive queries (row = query * G + head in group), so one K/V
- *     read serves the whole group. Two variants, the same S per score (a wgmma's A operand from
- *     registers or from shared memory gives the same products; the GPU tests compare decode with
- *     the prefill bitwise): one CTA an SM with 4 stages and Q in registers, which the launcher takes
- *     when the grid fits one wave of them (B = 1 decode: the shortest chain per block), else two CTAs
- *     an SM with 3 stages and S reading Q from the slab (the registers of two CTAs leave none for
- *     Q's fragments: ptxas serialized the wgmmas). It writes the segment state of each
- *     row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel (cuda/attention.cuh, as
- *     sm80's) merges each row's segments in increasing order and normalizes (head_dim / 4 threads per
- *     row, 4 columns each). It is launched as a programmatic dependent of the split kernel, which
- *     triggers it as it starts, so its launch overlaps the split kernel (griddepcontrol). When a
+ *     read serves the whole group; its producer copies every block by cp.async. Two variants, the
+ *     same S per score (a wgmma's A operand from registers or from shared memory gives the same
+ *     products; the GPU tests compare decode with the prefill bitwise): one CTA an SM with 4 stages
+ *     and Q in registers, which the launcher takes when the grid fits one wave of them (B = 1 decode:
+ *     the shortest chain per block), else two CTAs an SM with 3 stages and S reading Q from the slab
+ *     (the registers of two CTAs leave none for Q's fragments: ptxas serialized the wgmmas). It
+ *     writes the segment state of each row (m, l, acc[head_dim], fp32) to the workspace; the combine
+ *     kernel (cuda/attention.cuh, as sm80's) merges each row's segments in increasing order and
+ *     normalizes (head_dim / 4 threads per row, 4 columns each). It is launched as a programmatic
+ *     dependent of the split kernel, which triggers it as it starts, so its launch overlaps the split
+ *     kernel (griddepcontrol). When a
  *     call's keys are at most MERGE_CLUSTER_MAX segments (caches up to 4096 keys) and its grid is one
  *     wave, no combine kernel runs: the segments of one (row tile, kv head, sequence) are one
  *     thread-block cluster, and its rank 0 merges the rows with the combine kernel's combine_row once
@@ -222,6 +224,17 @@ struct Ring {
     }
 };
 
+/* Rows row .. row + ROWS - 1 of (head, sequence) of a tensor by TMA from `map` into the tile at dst: D / 64
+ * boxes of ROWS rows x 128 bytes, as BoxSwizzle<ROWS> lays them out, their bytes counted on mbarrier bar
+ * (the caller raises its expected bytes: the ring's full barriers then complete once the producer
+ * warpgroup's 128 threads have arrived and the bytes have landed, Ring::produce). One thread issues it. */
+template <int D, int ROWS>
+__device__ __forceinline__ void tma_load_rows(uint32_t dst, const CUtensorMap *map, int row, int head, int batch,
+                                              uint32_t bar) {
+#pragma unroll
+    for (int box = 0; box < D / 64; ++box) tma_load_4d(dst + box * ROWS * 128, map, 64 * box, row, head, batch, bar);
+}
+
 /* ------------------------------------ forward ----------------------------------------------- */
 
 /* The wgmmas of one block, issued into the current commit group (the caller fences and commits).
@@ -382,6 +395,15 @@ struct FwdTiles {
     static constexpr int CONSUMER_REGS = std::min(240, (ENTRY_REGS + (ENTRY_REGS - PRODUCER_REGS) / WARPGROUPS) & ~7);
 };
 
+/* The prefill kernel's parameters: FwdParams and TMA maps over K and V (fwd_kv_maps fills them and sets
+ * kv_tma; else every key block is copied by cp.async), boxes of a key block's rows x 64 columns of one
+ * kv head at coordinates (column, row, kv head, sequence x kv_map_batch: 0 where the sequences share one
+ * storage) */
+struct PrefillParams : FwdParams {
+    CUtensorMap k_map, v_map;
+    int kv_tma, kv_map_batch;
+};
+
 /* Split schedule in clusters (FwdParams::cluster_merge): the grid's segments of one (row tile, kv head,
  * sequence) are the CTAs of one cluster, rank = segment. Each consumer thread, its records written
  * (or none: a CTA without work), arrives on rank 0's merge barrier with release semantics; rank 0's
@@ -436,9 +458,8 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, const Seque
  *     waits for and frees its K and V, so the barriers' phases stay in step. The two consumer
  *     warpgroups run unsynchronized; their wgmmas and softmaxes interleave on their own (forced
  *     turn-taking with named barriers measured 1-6% slower). */
-template <bool BF16, int D, bool SPLIT, int THREAD_ROWS = 2, int SPLIT_CTAS = 2>
-__global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTiles<D, SPLIT, SPLIT_CTAS>::MIN_CTAS)
-    attention_fwd_kernel(const FwdParams p) {
+template <bool BF16, int D, bool SPLIT, int THREAD_ROWS = 2, int SPLIT_CTAS = 2, class Params>
+__device__ __forceinline__ void fwd_pipeline(const Params &p) {
     using Tiles = FwdTiles<D, SPLIT, SPLIT_CTAS>;
     static_assert(THREAD_ROWS == 2 || SPLIT, "one row per thread: a split tile of at most 8 rows (Forward::run)");
     constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
@@ -459,6 +480,11 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
     /* the combine kernel may launch now; it waits for this grid's end before it reads (launch_fwd) */
     if constexpr (SPLIT) asm volatile("griddepcontrol.launch_dependents;");
     if (tid == 0) {
+        if constexpr (!SPLIT)
+            if (p.kv_tma) {
+                prefetch_tensor_map(&p.k_map);
+                prefetch_tensor_map(&p.v_map);
+            }
         ring.init(4 * WARPGROUPS);
         mbar_init(tile_free_bar, 4 * WARPGROUPS + 4);
         mbar_init(tile_ready_bar, 1);
@@ -500,9 +526,13 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
     };
 
     if (wg == WARPGROUPS) {
-        /* producer warpgroup. K and V of the tile's relative block j into stage (first + j) % STAGES;
-         * this thread's source rows are two running pointers; rows past k_len are zeros (p = 0 there,
-         * and 0 * (stale NaN) would poison acc) */
+        /* producer warpgroup. K and V of the tile's relative block j into stage (first + j) % STAGES.
+         * Prefill: a whole block (all its keys below k_len) by TMA where the launcher built the maps
+         * (kv_tma), its D / 64 boxes issued by thread 0 onto the stage's full barrier, whose phase then
+         * also waits for their bytes. The rest, and every block of the split kernel (TMA measured no
+         * faster there: perf-notes), by cp.async: this thread's source rows are two running pointers,
+         * rows past k_len zeros (p = 0 there, and 0 * (stale NaN) would poison acc). Either way the
+         * stage holds the same bytes in the same swizzle (TMA's 128-byte swizzle is BoxSwizzle's) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
         const int ptid = tid - Tiles::CONSUMER_THREADS;
         uint32_t first = 0; /* the tile's first ring item */
@@ -530,6 +560,20 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
             ring.produce(first, 2 * blocks, [&](int j, int s) {
                 const uint32_t dst = kv_ring + s * KV_BYTES;
                 const int keys_in = cta.range.k_len - (cta.block_begin + j / 2) * FWD_KEYS;
+                if constexpr (!SPLIT) {
+                    if (p.kv_tma && keys_in >= FWD_KEYS) {
+                        if (ptid == 0) {
+                            const uint32_t bar = ring.full_bar + 8 * s;
+                            mbar_expect_tx(bar, KV_BYTES);
+                            tma_load_rows<D, FWD_KEYS>(dst, j % 2 == 0 ? &p.k_map : &p.v_map,
+                                                       (int)cta.range.k_start + (cta.block_begin + j / 2) * FWD_KEYS,
+                                                       cta.kv_head, cta.b * p.kv_map_batch, bar);
+                        }
+                        if (j % 2 == 0) k_src += FWD_KEYS * p.k.row_stride;
+                        else v_src += FWD_KEYS * p.v.row_stride;
+                        return;
+                    }
+                }
                 using KvRows = BoxSwizzle<FWD_KEYS>;
                 if (j % 2 == 0) {
                     load_thread_rows_async<D, FWD_KEYS, 128, KvRows>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
@@ -766,6 +810,22 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT, SPLIT_CTAS>::THREADS, FwdTi
     }
 }
 
+/* The forward's kernels: fwd_pipeline's two schedules. The prefill kernel takes the TMA maps too
+ * (PrefillParams), __grid_constant__ so that its loads read them in place; the split kernel, which
+ * copies by cp.async, takes FwdParams alone (with the maps in its parameters B = 1 decode over 8k keys
+ * ran 3-4% slower, perf-notes). */
+template <bool BF16, int D>
+__global__ void __launch_bounds__(FwdTiles<D, false>::THREADS, FwdTiles<D, false>::MIN_CTAS)
+    attention_fwd_kernel(const __grid_constant__ PrefillParams p) {
+    fwd_pipeline<BF16, D, false>(p);
+}
+
+template <bool BF16, int D, int THREAD_ROWS, int SPLIT_CTAS>
+__global__ void __launch_bounds__(FwdTiles<D, true, SPLIT_CTAS>::THREADS, FwdTiles<D, true, SPLIT_CTAS>::MIN_CTAS)
+    attention_fwd_split_kernel(const FwdParams p) {
+    fwd_pipeline<BF16, D, true, THREAD_ROWS, SPLIT_CTAS>(p);
+}
+
 /* ------------------------------------ backward ---------------------------------------------- */
 
 /* Both kinds of backward CTA (one grid, attention_bwd_kernel): two consumer warpgroups and a producer
@@ -905,12 +965,21 @@ __device__ __forceinline__ void bwd_dkdv_cta(const BwdParams &p, int cta) {
         ring.produce(0, iters, [&](int, int s) {
             const int rows_in = min(BLOCK_N, q_len - q0);
             const uint32_t dst = ring_tiles + s * STAGE_BYTES;
-            const int64_t row = q_row0 + q0 + thread_row;
-            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(
-                dst, row_address(p.q, b, row, head) + thread_col, p.q.row_stride, rows_in, p.q.data, ptid);
-            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(
-                dst + TILE_BYTES, row_address(p.dout, b, row, head) + thread_col, p.dout.row_stride, rows_in, p.dout.data,
-                ptid);
+            if (p.tma && rows_in == BLOCK_N) {
+                if (ptid == 0) {
+                    const uint32_t bar = ring.full_bar + 8 * s;
+                    mbar_expect_tx(bar, STAGE_BYTES);
+                    tma_load_rows<D, BLOCK_N>(dst, &p.q_map, (int)q_row0 + q0, head, b * p.q_map_batch, bar);
+                    tma_load_rows<D, BLOCK_N>(dst + TILE_BYTES, &p.do_map, (int)q_row0 + q0, head, b * p.q_map_batch, bar);
+                }
+            } else {
+                const int64_t row = q_row0 + q0 + thread_row;
+                load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(
+                    dst, row_address(p.q, b, row, head) + thread_col, p.q.row_stride, rows_in, p.q.data, ptid);
+                load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(
+                    dst + TILE_BYTES, row_address(p.dout, b, row, head) + thread_col, p.dout.row_stride, rows_in,
+                    p.dout.data, ptid);
+            }
             q0 += BLOCK_N;
             if (q0 >= q_len) {
                 q0 = qb_begin * BLOCK_N;
@@ -1039,9 +1108,20 @@ __device__ __forceinline__ void bwd_dq_cta(const BwdParams &p, int cta) {
         ring.produce(0, blocks, [&](int j, int s) {
             const uint32_t dst = ring_tiles + s * STAGE_BYTES;
             const int keys_in = k_len - j * BLOCK_N;
-            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in, p.k.data, ptid);
-            load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + TILE_BYTES, v_src, p.v.row_stride, keys_in,
-                                                                       p.v.data, ptid);
+            if (p.tma && keys_in >= BLOCK_N) {
+                if (ptid == 0) {
+                    const uint32_t bar = ring.full_bar + 8 * s;
+                    const int row = (int)k_row0 + j * BLOCK_N;
+                    mbar_expect_tx(bar, STAGE_BYTES);
+                    tma_load_rows<D, BLOCK_N>(dst, &p.k_map, row, kv_head, b * p.k_map_batch, bar);
+                    tma_load_rows<D, BLOCK_N>(dst + TILE_BYTES, &p.v_map, row, kv_head, b * p.k_map_batch, bar);
+                }
+            } else {
+                load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst, k_src, p.k.row_stride, keys_in,
+                                                                           p.k.data, ptid);
+                load_thread_rows_async<D, BLOCK_N, 128, BoxSwizzle<BLOCK_N>>(dst + TILE_BYTES, v_src, p.v.row_stride,
+                                                                           keys_in, p.v.data, ptid);
+            }
             k_src += BLOCK_N * p.k.row_stride;
             v_src += BLOCK_N * p.v.row_stride;
         });
@@ -1128,7 +1208,7 @@ __device__ __forceinline__ void bwd_dq_cta(const BwdParams &p, int cta) {
 
 /* The backward's one grid (launch_bwd): dK/dV CTAs, then dQ CTAs. */
 template <bool BF16, int D>
-__global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(BwdTiles<D>::THREADS, 1) attention_bwd_kernel(const __grid_constant__ BwdParams p) {
     const int cta = (int)blockIdx.x;
     if (cta < p.dkdv_ctas) bwd_dkdv_cta<BF16, D>(p, cta);
     else bwd_dq_cta<BF16, D>(p, cta - p.dkdv_ctas);
@@ -1141,6 +1221,46 @@ template <int D, bool SPLIT>
 using FwdTilesTwoPerSm = FwdTiles<D, SPLIT, 2>;
 template <int D, bool SPLIT>
 using FwdTilesOnePerSm = FwdTiles<D, SPLIT, 1>;
+
+/* A TMA map over one of the call's tensors (q, k, v, dout) as [sequence][head][row][head_dim] in
+ * 128-byte-swizzled boxes of box_rows rows x 64 columns, dimensions innermost first (column, row, head,
+ * sequence): the boxes BoxSwizzle<box_rows> lays out. batches is 1 where the sequences share one
+ * storage (the coordinate then 0). False (the kernels then copy every block by cp.async) when a stride
+ * is not one TMA takes (positive, a multiple of 16 bytes, below 2^40), the rows pass 2^31, or the
+ * driver has no encoder. A dimension of size 1 takes any stride: its coordinate is always 0. */
+bool tensor_map(CUtensorMap *map, const rlk_attention_tensor &t, const rlk_attention_args *a, int64_t rows,
+                int64_t heads, int64_t batches, int box_rows) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    auto stride_bytes = [](int64_t elements, int64_t extent) -> int64_t {
+        return extent == 1 && elements <= 0 ? 16 : 2 * elements;
+    };
+    const int64_t strides_in[3] = {stride_bytes(t.row_stride, rows), stride_bytes(t.head_stride, heads),
+                                   stride_bytes(t.batch_stride, batches)};
+    if (!encode || rows < 1 || rows >= INT32_MAX) return false;
+    for (int64_t st : strides_in)
+        if (st <= 0 || st % 16 != 0 || st >= ((int64_t)1 << 40)) return false;
+    const cuuint64_t dims[4] = {(cuuint64_t)a->head_dim, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batches};
+    const cuuint64_t strides[3] = {(cuuint64_t)strides_in[0], (cuuint64_t)strides_in[1], (cuuint64_t)strides_in[2]};
+    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1};
+    const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+    return encode(map, a->dtype == RLK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                  t.data, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* the sequences of x and y have storage of their own (a sequence coordinate) unless both batch strides are 0 */
+bool per_batch(const rlk_attention_args *a, const rlk_attention_tensor &x, const rlk_attention_tensor &y) {
+    return a->batch > 1 && (x.batch_stride != 0 || y.batch_stride != 0);
+}
+
+/* launch_fwd's prepare_prefill: K and V in boxes of a forward key block */
+void fwd_kv_maps(PrefillParams &p, const rlk_attention_args *a) {
+    const bool own = per_batch(a, a->k, a->v);
+    const int64_t batches = own ? a->batch : 1;
+    p.kv_map_batch = own ? 1 : 0;
+    p.kv_tma = tensor_map(&p.k_map, a->k, a, a->k_rows, a->heads_kv, batches, FWD_KEYS) &&
+               tensor_map(&p.v_map, a->v, a, a->k_rows, a->heads_kv, batches, FWD_KEYS);
+}
 
 template <bool BF16, int D>
 struct Forward {
@@ -1161,21 +1281,30 @@ struct Forward {
             one_per_sm = split_segments(a) * split_row_tiles(a) * a->heads_kv * a->batch <= sms;
         }
         if (one_per_sm)
-            return launch_fwd<BF16, D, FwdTilesOnePerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                                     eight_rows ? attention_fwd_kernel<BF16, D, true, 1, 1>
-                                                                : attention_fwd_kernel<BF16, D, true, 2, 1>,
-                                                     true, MERGE_CLUSTER_MAX);
-        return launch_fwd<BF16, D, FwdTilesTwoPerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D, false>,
-                                            eight_rows ? attention_fwd_kernel<BF16, D, true, 1>
-                                                       : attention_fwd_kernel<BF16, D, true>,
-                                            true, MERGE_CLUSTER_MAX);
+            return launch_fwd<BF16, D, FwdTilesOnePerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D>,
+                                                     eight_rows ? attention_fwd_split_kernel<BF16, D, 1, 1>
+                                                                : attention_fwd_split_kernel<BF16, D, 2, 1>,
+                                                     true, MERGE_CLUSTER_MAX, fwd_kv_maps);
+        return launch_fwd<BF16, D, FwdTilesTwoPerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D>,
+                                            eight_rows ? attention_fwd_split_kernel<BF16, D, 1, 2>
+                                                       : attention_fwd_split_kernel<BF16, D, 2, 2>,
+                                            true, MERGE_CLUSTER_MAX, fwd_kv_maps);
     }
 };
 
 template <bool BF16, int D>
 struct Backward {
     static int run(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream) {
-        return launch_bwd<BwdTiles<D>>(p, a, stream, attention_bwd_kernel<BF16, D>);
+        BwdParams with_maps = p;
+        const bool q_own = per_batch(a, a->q, a->dout), k_own = per_batch(a, a->k, a->v);
+        const int64_t q_batches = q_own ? a->batch : 1, k_batches = k_own ? a->batch : 1;
+        with_maps.q_map_batch = q_own ? 1 : 0;
+        with_maps.k_map_batch = k_own ? 1 : 0;
+        with_maps.tma = tensor_map(&with_maps.q_map, a->q, a, a->q_rows, a->heads_q, q_batches, BLOCK_N) &&
+                        tensor_map(&with_maps.do_map, a->dout, a, a->q_rows, a->heads_q, q_batches, BLOCK_N) &&
+                        tensor_map(&with_maps.k_map, a->k, a, a->k_rows, a->heads_kv, k_batches, BLOCK_N) &&
+                        tensor_map(&with_maps.v_map, a->v, a, a->k_rows, a->heads_kv, k_batches, BLOCK_N);
+        return launch_bwd<BwdTiles<D>>(with_maps, a, stream, attention_bwd_kernel<BF16, D>);
     }
 };
 

@@ -61,7 +61,6 @@
 #ifndef RLK_CUDA_SM90_GEMM_KERNEL_CUH_
 #define RLK_CUDA_SM90_GEMM_KERNEL_CUH_
 
-#include <cudaTypedefs.h>
 #include <string.h>
 
 #include <type_traits>
@@ -948,20 +947,6 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
 }
 
 /* ------------------------------------ host side --------------------------------------------- */
-
-/* cuTensorMapEncodeTiled through the runtime's driver entry point, so nothing links libcuda. */
-static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    if (!encode) {
-        void *fn = nullptr;
-        cudaDriverEntryPointQueryResult found;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
-                cudaSuccess &&
-            found == cudaDriverEntryPointSuccess)
-            encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }
-    return encode;
-}
 
 /* Map over a [outer, inner] matrix (inner contiguous, rows row_bytes apart), 128-byte swizzled boxes of
  * box_inner x box_outer elements; out-of-bounds elements read as zero (loads) or are skipped (stores). */

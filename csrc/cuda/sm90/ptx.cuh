@@ -1,11 +1,13 @@
 /* cuda/sm90/ptx.cuh: the Hopper (sm_90a) primitives the wgmma kernels use: mbarriers, TMA loads and
  * stores (cp.async.bulk.tensor), clusters, proxy fences, wgmma descriptors and synchronization.
  * One thin inline wrapper per PTX instruction; the wgmma instructions themselves are in wgmma.cuh.
+ * Host side: the driver's tensor-map encoder, which the TMA loads' maps are built with.
  */
 #ifndef RLK_CUDA_SM90_PTX_CUH_
 #define RLK_CUDA_SM90_PTX_CUH_
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include "../common.cuh"
 
@@ -15,6 +17,12 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+/* raises the current phase's expected transaction bytes without arriving (a TMA's bytes on a barrier that
+ * other threads arrive on) */
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
@@ -99,6 +107,20 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3}], [%4];"
                  ::"r"(dst), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(bar) : "memory");
+}
+
+/* 4-D TMA load of one box into shared memory (coordinates innermost first); completion is counted on the
+ * mbarrier in bytes. */
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2, int c3,
+                                            uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 ::"r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+
+/* fetches a TMA map into the descriptor cache ahead of its first load */
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap *map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)map) : "memory");
 }
 
 /* 2-D TMA store of one shared-memory box to global memory (out-of-bounds parts are skipped), tracked
@@ -228,6 +250,23 @@ template <int R>
 __device__ __forceinline__ void fence_operands(uint32_t (&a)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+/* ------------------------------------ host side --------------------------------------------- */
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point, so nothing links libcuda (null when
+ * the driver has none: the callers then take their non-TMA path or answer RLK_UNSUPPORTED). */
+static inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        void *fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    return encode;
 }
 
 #endif /* RLK_CUDA_SM90_PTX_CUH_ */
