@@ -376,6 +376,9 @@ struct FwdCta {
 };
 
 __device__ __forceinline__ int block_tile() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
+/* The same tile number for a split grid launched (row tile x kv head, segment, sequence), as launch_fwd
+ * launches one without clusters when the plan asks for it (HEADS_FIRST) */
+__device__ __forceinline__ int heads_first_tile() { return blockIdx.y + gridDim.y * (blockIdx.x + gridDim.x * blockIdx.z); }
 
 /* Fills cta for tile `tile` of the ROWS-row tiles; false when it has nothing to do (its sequence's
  * query range is out of bounds, its tile past the sequence's rows, or its segment past the keys its
@@ -702,7 +705,9 @@ CallParams call_params(const rlk_attention_args *a) {
  * kernel (none when the segments are at most merge_cluster_max and the grid is one wave: the split
  * kernel's clusters merge).
  * Tiles<D, SPLIT> is the backend's tile plan (ROWS, THREADS, SMEM_BYTES, MIN_CTAS,
- * PERSISTENT); prefill and split are its attention_fwd_kernel<BF16, D, false> and <BF16, D, true>.
+ * PERSISTENT, HEADS_FIRST: a split grid without clusters launched (row tile x kv head, segment,
+ * sequence), so that the CTAs running at once read the same key range of every kv head); prefill
+ * and split are its prefill and split-KV kernels.
  * A PERSISTENT prefill plan gets MIN_CTAS CTAs per SM (fewer when there are fewer tiles; at most
  * PERSISTENT_CTAS_MAX), each taking tile blockIdx.x first and then tickets from a counter in the
  * workspace (persistent_workspace_bytes; the counter zeroed here). The prefill kernel's parameters are
@@ -774,7 +779,9 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
         cluster.val.clusterDim.y = 1;
         cluster.val.clusterDim.z = 1;
         cudaLaunchConfig_t config = {};
-        config.gridDim = dim3((unsigned)p.num_segments, (unsigned)(row_tiles * a->heads_kv), (unsigned)a->batch);
+        config.gridDim = SplitTiles::HEADS_FIRST && !p.cluster_merge
+                             ? dim3((unsigned)(row_tiles * a->heads_kv), (unsigned)p.num_segments, (unsigned)a->batch)
+                             : dim3((unsigned)p.num_segments, (unsigned)(row_tiles * a->heads_kv), (unsigned)a->batch);
         config.blockDim = dim3(SplitTiles::THREADS);
         config.dynamicSmemBytes = SplitTiles::SMEM_BYTES;
         config.stream = stream;

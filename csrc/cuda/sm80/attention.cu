@@ -222,6 +222,7 @@ struct FwdTiles {
     static constexpr int SMEM_BYTES = Q_BYTES + STAGES * 2 * KV_BYTES;
     static constexpr int MIN_CTAS = 2;
     static constexpr bool PERSISTENT = false; /* a CTA per tile */
+    static constexpr bool HEADS_FIRST = false; /* split grids segment first (launch_fwd) */
 };
 
 template <bool BF16, int D, bool SPLIT>
