@@ -376,9 +376,6 @@ struct FwdCta {
 };
 
 __device__ __forceinline__ int block_tile() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
-/* The same tile number for a split grid launched (row tile x kv head, segment, sequence), as launch_fwd
- * launches one without clusters when the plan asks for it (HEADS_FIRST) */
-__device__ __forceinline__ int heads_first_tile() { return blockIdx.y + gridDim.y * (blockIdx.x + gridDim.x * blockIdx.z); }
 
 /* Fills cta for tile `tile` of the ROWS-row tiles; false when it has nothing to do (its sequence's
  * query range is out of bounds, its tile past the sequence's rows, or its segment past the keys its

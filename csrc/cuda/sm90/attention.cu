@@ -518,7 +518,10 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
      * that a decode's threads decode it once); a prefill CTA's as published (cta filled by the caller) */
     auto tile_of = [&](int n, FwdCta &cta) {
         if constexpr (!Tiles::PERSISTENT) {
-            const int tile = p.cluster_merge ? block_tile() : heads_first_tile();
+            /* without clusters the grid is (row tile x kv head, segment, sequence) (HEADS_FIRST): the
+             * same tile number, block_tile's with x and y swapped */
+            const int tile = p.cluster_merge ? block_tile()
+                                             : (int)(blockIdx.y + gridDim.y * (blockIdx.x + gridDim.x * blockIdx.z));
             return n == 0 && fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, tile, cta) ? tile : -1;
         }
         mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
