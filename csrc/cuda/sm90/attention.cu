@@ -7,9 +7,9 @@
  * the segments' states are merged in increasing order into the row state, which is normalized at the
  * end. Two schedules run that same arithmetic:
  *   attention_fwd_kernel (fwd_pipeline<SPLIT = false>: prefill, training, chunked prefill):
- *     persistent, one CTA per SM taking tiles of 128 query rows of one (sequence, head) one after the other (its
- *     blockIdx.x, then tickets from an atomic counter, in the order of the heaviest causal tiles
- *     first): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a producer warpgroup
+ *     persistent, one CTA per SM taking tiles of 128 query rows of one (sequence, head) one after the
+ *     other (its blockIdx.x, then tickets from an atomic counter, in the order of the heaviest causal
+ *     tiles first): two consumer warpgroups of 64 rows (one wgmma m64 tile each) and a producer warpgroup
  *     (setmaxnreg: 48 registers, consumers 224) that streams each tile's blocks of 128 keys into a
  *     4-stage ring completing on mbarriers (full: the producer's copies have landed and were fenced for
  *     the tensor cores; empty: every consumer warp is done with the stage): whole blocks by TMA (a 4-D
@@ -34,25 +34,24 @@
  *     normalizes and writes out and lse. A warpgroup skips the blocks none of its rows can see (the
  *     causal diagonal) but still waits for and releases them; the heaviest causal tiles start first.
  *   attention_fwd_split_kernel (fwd_pipeline<SPLIT = true>) + attention_combine_kernel (split-KV
- *     decode): a CTA of one consumer warpgroup and the producer owns one (sequence, kv head, segment) and 64 rows made of
- *     the group's G query heads of consecutive queries (row = query * G + head in group), so one K/V
- *     read serves the whole group; its producer copies every block by cp.async. Two variants, the
- *     same S per score (a wgmma's A operand from registers or from shared memory gives the same
- *     products; the GPU tests compare decode with the prefill bitwise): one CTA an SM with 4 stages
- *     and Q in registers, which the launcher takes when the grid fits one wave of them (B = 1 decode:
- *     the shortest chain per block), else two CTAs an SM with 3 stages and S reading Q from the slab
- *     (the registers of two CTAs leave none for Q's fragments: ptxas serialized the wgmmas). It
- *     writes the segment state of each row (m, l, acc[head_dim], fp32) to the workspace; the combine
- *     kernel (cuda/attention.cuh, as sm80's) merges each row's segments in increasing order and
- *     normalizes (head_dim / 4 threads per row, 4 columns each). It is launched as a programmatic
- *     dependent of the split kernel, which triggers it as it starts, so its launch overlaps the split
- *     kernel (griddepcontrol). When a
- *     call's keys are at most MERGE_CLUSTER_MAX segments (caches up to 4096 keys) and its grid is one
- *     wave, no combine kernel runs: the segments of one (row tile, kv head, sequence) are one
- *     thread-block cluster, and its rank 0 merges the rows with the combine kernel's combine_row once
- *     every rank's records are written (merge_in_cluster). A grid without clusters runs kv heads
- *     first, (row tile x kv head, segment, sequence) (FwdTiles::HEADS_FIRST), so that a wave's CTAs
- *     read whole rows of the cache.
+ *     decode): a CTA of one consumer warpgroup and the producer owns one (sequence, kv head, segment) and
+ *     64 rows made of the group's G query heads of consecutive queries (row = query * G + head in group),
+ *     so one K/V read serves the whole group; its producer copies every block by cp.async. Two variants,
+ *     the same S per score (a wgmma's A operand from registers or from shared memory gives the same
+ *     products; the GPU tests compare decode with the prefill bitwise): one CTA an SM with 4 stages and Q
+ *     in registers, which the launcher takes when the grid fits one wave of them (B = 1 decode: the
+ *     shortest chain per block), else two CTAs an SM with 3 stages and S reading Q from the slab (the
+ *     registers of two CTAs leave none for Q's fragments: ptxas serialized the wgmmas). It writes the
+ *     segment state of each row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel
+ *     (cuda/attention.cuh, as sm80's) merges each row's segments in increasing order and normalizes
+ *     (head_dim / 4 threads per row, 4 columns each). It is launched as a programmatic dependent of the
+ *     split kernel, which triggers it as it starts, so its launch overlaps the split kernel
+ *     (griddepcontrol). When a call's keys are at most MERGE_CLUSTER_MAX segments (caches up to 4096
+ *     keys) and its grid is one wave, no combine kernel runs: the segments of one (row tile, kv head,
+ *     sequence) are one thread-block cluster, and its rank 0 merges the rows with the combine kernel's
+ *     combine_row once every rank's records are written (merge_in_cluster). A grid without clusters runs
+ *     kv heads first, (row tile x kv head, segment, sequence) (FwdTiles::HEADS_FIRST), so that a wave's
+ *     CTAs read whole rows of the cache.
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
  *   When max_q_len * G <= 8 (decode with G <= 8) the split kernel's THREAD_ROWS = 1 instantiation
@@ -393,8 +392,8 @@ struct FwdTiles {
     /* prefill: one CTA per SM takes tile after tile (launch_fwd); split: a CTA per tile */
     static constexpr bool PERSISTENT = !SPLIT;
     /* a split grid without clusters runs kv heads first: the CTAs of a wave then read whole rows of
-     * the cache's [row][kv head][d] storage, not every 8th 256-byte piece of them (H200: B = 1 over
-     * 32k keys 51.0 -> 50.2 us, B = 16 over 32k 512.7 -> 507.8; the rest within 0.4%) */
+     * the cache's [row][kv head][d] storage, not every 8th 256-byte piece of them (perf-notes, "kv
+     * heads first") */
     static constexpr bool HEADS_FIRST = true;
     static constexpr int ENTRY_REGS = (65536 / (THREADS * MIN_CTAS)) & ~7;
     static constexpr int PRODUCER_REGS = 48;
@@ -979,7 +978,8 @@ __device__ __forceinline__ void bwd_dkdv_cta(const BwdParams &p, int cta) {
                     const uint32_t bar = ring.full_bar + 8 * s;
                     mbar_expect_tx(bar, STAGE_BYTES);
                     tma_load_rows<D, BLOCK_N>(dst, &p.q_map, (int)q_row0 + q0, head, b * p.q_map_batch, bar);
-                    tma_load_rows<D, BLOCK_N>(dst + TILE_BYTES, &p.do_map, (int)q_row0 + q0, head, b * p.q_map_batch, bar);
+                    tma_load_rows<D, BLOCK_N>(dst + TILE_BYTES, &p.do_map, (int)q_row0 + q0, head,
+                                              b * p.q_map_batch, bar);
                 }
             } else {
                 const int64_t row = q_row0 + q0 + thread_row;
@@ -1257,18 +1257,22 @@ bool tensor_map(CUtensorMap *map, const rlk_attention_tensor &t, const rlk_atten
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-/* the sequences of x and y have storage of their own (a sequence coordinate) unless both batch strides are 0 */
-bool per_batch(const rlk_attention_args *a, const rlk_attention_tensor &x, const rlk_attention_tensor &y) {
-    return a->batch > 1 && (x.batch_stride != 0 || y.batch_stride != 0);
+/* TMA maps over two tensors of the same rows and heads (k and v, or q and dout) in boxes of box_rows
+ * rows; *map_batch: 1 where the sequences have storage of their own (a sequence coordinate), 0 where
+ * both batch strides are 0 (one storage). False as tensor_map. */
+bool tensor_map_pair(CUtensorMap *x_map, CUtensorMap *y_map, const rlk_attention_tensor &x,
+                     const rlk_attention_tensor &y, const rlk_attention_args *a, int64_t rows, int64_t heads,
+                     int box_rows, int *map_batch) {
+    const bool own = a->batch > 1 && (x.batch_stride != 0 || y.batch_stride != 0);
+    const int64_t batches = own ? a->batch : 1;
+    *map_batch = own ? 1 : 0;
+    return tensor_map(x_map, x, a, rows, heads, batches, box_rows) &&
+           tensor_map(y_map, y, a, rows, heads, batches, box_rows);
 }
 
 /* launch_fwd's prepare_prefill: K and V in boxes of a forward key block */
 void fwd_kv_maps(PrefillParams &p, const rlk_attention_args *a) {
-    const bool own = per_batch(a, a->k, a->v);
-    const int64_t batches = own ? a->batch : 1;
-    p.kv_map_batch = own ? 1 : 0;
-    p.kv_tma = tensor_map(&p.k_map, a->k, a, a->k_rows, a->heads_kv, batches, FWD_KEYS) &&
-               tensor_map(&p.v_map, a->v, a, a->k_rows, a->heads_kv, batches, FWD_KEYS);
+    p.kv_tma = tensor_map_pair(&p.k_map, &p.v_map, a->k, a->v, a, a->k_rows, a->heads_kv, FWD_KEYS, &p.kv_map_batch);
 }
 
 template <bool BF16, int D>
@@ -1305,14 +1309,10 @@ template <bool BF16, int D>
 struct Backward {
     static int run(const BwdParams &p, const rlk_attention_args *a, cudaStream_t stream) {
         BwdParams with_maps = p;
-        const bool q_own = per_batch(a, a->q, a->dout), k_own = per_batch(a, a->k, a->v);
-        const int64_t q_batches = q_own ? a->batch : 1, k_batches = k_own ? a->batch : 1;
-        with_maps.q_map_batch = q_own ? 1 : 0;
-        with_maps.k_map_batch = k_own ? 1 : 0;
-        with_maps.tma = tensor_map(&with_maps.q_map, a->q, a, a->q_rows, a->heads_q, q_batches, BLOCK_N) &&
-                        tensor_map(&with_maps.do_map, a->dout, a, a->q_rows, a->heads_q, q_batches, BLOCK_N) &&
-                        tensor_map(&with_maps.k_map, a->k, a, a->k_rows, a->heads_kv, k_batches, BLOCK_N) &&
-                        tensor_map(&with_maps.v_map, a->v, a, a->k_rows, a->heads_kv, k_batches, BLOCK_N);
+        with_maps.tma = tensor_map_pair(&with_maps.q_map, &with_maps.do_map, a->q, a->dout, a, a->q_rows, a->heads_q,
+                                        BLOCK_N, &with_maps.q_map_batch) &&
+                        tensor_map_pair(&with_maps.k_map, &with_maps.v_map, a->k, a->v, a, a->k_rows, a->heads_kv,
+                                        BLOCK_N, &with_maps.k_map_batch);
         return launch_bwd<BwdTiles<D>>(with_maps, a, stream, attention_bwd_kernel<BF16, D>);
     }
 };
