@@ -69,6 +69,11 @@ def main():
         rl_kernels.attention_with_kvcache(randn(2, 5, 4, 64), cache_k, cache_v, lengths)
         # 9 segments: more than the sm90 split kernel merges in its clusters, so the combine kernel runs
         rl_kernels.attention_with_kvcache(randn(1, 1, 4, 64), randn(1, 4200, 2, 64), randn(1, 4200, 2, 64), 4150)
+        # 18 segments and 1 in one call: the combine kernel's rows in two chunks of links, and rows of
+        # different lengths in one warp (D = 64: two rows a warp)
+        lengths = torch.tensor([8999, 300], dtype=torch.int32, device="cuda")
+        for d in (128, 64):
+            rl_kernels.attention_with_kvcache(randn(2, 3, 4, d), randn(2, 9000, 2, d), randn(2, 9000, 2, d), lengths)
     if kernel_registry.backend_status("rms_norm", "sm80")[0]:
         x, w = randn(37, 300).requires_grad_(), randn(300).requires_grad_()
         rl_kernels.rms_norm(x, w).sum().backward()

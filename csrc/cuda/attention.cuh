@@ -230,21 +230,45 @@ __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], Accs o) {
         }
 }
 
+/* One link of the segment merge: a segment with maximum m_g joins a row whose running maximum is m.
+ * The row's state becomes x = a x + b y for its l and each accumulator (y the segment's), m_new its
+ * maximum. A segment the row cannot see (m_g = -inf) leaves the row untouched: its link is a = 1 and
+ * the term fma(1, x, -0) = x, exact for every x. Both exp2s are computed and then selected, so the
+ * link has no branch. The factors depend on the maxima alone: the combine kernel computes a row's
+ * links in parallel, one a lane, then runs only the chain of terms. */
+struct MergeLink {
+    float m_new, a, b;
+    bool seen;
+};
+
+__device__ __forceinline__ MergeLink merge_link(float m, float m_g, float c) {
+    MergeLink k;
+    k.seen = m_g != -INFINITY;
+    k.m_new = fmaxf(m, m_g);
+    const float ms_new = scaled(k.m_new, c);
+    const float exp_a = exp2_approx(__fsub_rn(scaled(m, c), ms_new));
+    const float exp_b = exp2_approx(__fsub_rn(scaled(m_g, c), ms_new));
+    const float a = m == -INFINITY ? 0.0f : (k.m_new == m ? 1.0f : exp_a);
+    k.a = k.seen ? a : 1.0f;
+    k.b = m_g == k.m_new ? 1.0f : exp_b;
+    return k;
+}
+
+__device__ __forceinline__ float merge_term(float a, float b, bool seen, float x, float y) {
+    return __fmaf_rn(a, x, seen ? __fmul_rn(b, y) : -0.0f);
+}
+
 /* Merges a segment state (m_g, l_g, acc_g) into a row state (m, l, o), N columns of the row: the
- * prefill kernel and the combine kernel both call this, so the merge is the same rounded sequence
- * in both schedules. A segment the row cannot see (m_g = -inf) leaves it untouched. */
+ * prefill kernel calls this at a segment's end, and the combine kernel runs the same links (combine_row),
+ * so the merge is the same rounded sequence in both schedules. */
 template <int N>
 __device__ __forceinline__ void merge_segment(float &m, float &l, float (&o)[N], float m_g, float l_g,
                                               const float (&acc_g)[N], float c) {
-    if (m_g == -INFINITY) return;
-    const float m_new = fmaxf(m, m_g);
-    const float ms_new = scaled(m_new, c);
-    const float a = m == -INFINITY ? 0.0f : (m_new == m ? 1.0f : exp2_approx(__fsub_rn(scaled(m, c), ms_new)));
-    const float b = m_g == m_new ? 1.0f : exp2_approx(__fsub_rn(scaled(m_g, c), ms_new));
-    l = __fmaf_rn(a, l, __fmul_rn(b, l_g));
+    const MergeLink k = merge_link(m, m_g, c);
+    l = merge_term(k.a, k.b, k.seen, l, l_g);
 #pragma unroll
-    for (int k = 0; k < N; ++k) o[k] = __fmaf_rn(a, o[k], __fmul_rn(b, acc_g[k]));
-    m = m_new;
+    for (int e = 0; e < N; ++e) o[e] = merge_term(k.a, k.b, k.seen, o[e], acc_g[e]);
+    m = k.m_new;
 }
 
 /* The prefill kernels' segment end for a thread's two rows: each row's ended segment (ended.m, ended.l
@@ -427,29 +451,60 @@ template <bool BF16, int D>
 __device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRange &range, int b, int i, int head,
                                             int j) {
     if (i >= range.q_len) return;
+    constexpr int LANES = D / 4, RECORD = D + 4, CHUNK = 16;
+    static_assert(LANES >= CHUNK && LANES <= 32, "a chunk's links are lanes of the row's group");
     const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
+    const float *rec = p.partials + (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments * RECORD;
+    /* the row's LANES lanes of its warp (D = 64: two rows a warp) */
+    const int first_lane = (threadIdx.x & 31) & ~(LANES - 1);
+    const unsigned group = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << first_lane;
 
-    /* the records are read BATCH segments at a time, all loads in flight together, then merged in
-     * order: the merge is a serial chain, and a load per link made it latency-bound (43 us for the
-     * 64 segments of a 32k cache) */
-    constexpr int BATCH = 16;
+    /* The merge is a serial chain; a load per link made it latency-bound (43 us for the 64 segments
+     * of a 32k cache). All of the row's records are asked into L1 at once (one L2 round trip, each
+     * lane a 32-byte sector in turn). Then, CHUNK segments at a time: the loads of a chunk together
+     * (unconditional, the last segment's again past it, so that no branch sinks a load to its use);
+     * lane k computes link s0 + k's factors from the running maximum before it (an inclusive scan
+     * of the chunk's maxima: max is exact, so any order gives the serial chain's values; only a
+     * zero's sign could differ, and neither a factor nor the lse depends on it); then every lane
+     * runs the chain of terms for its 4 columns, the links in order, their factors shuffled. */
+    const char *const records = (const char *)rec;
+    const auto prefetch_chunk = [&](int s0) { /* segments s0 .. s0 + CHUNK - 1 of the row's, into L1 */
+        const int64_t end = (int64_t)min(s0 + CHUNK, segments) * RECORD * 4;
+        for (int64_t x = (int64_t)s0 * RECORD * 4 + 32 * j; x < end; x += 32 * LANES) prefetch_l1(records + x);
+    };
+    prefetch_chunk(0);
+    const float c = p.scale_log2;
     float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float *rec = p.partials + (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments * (D + 4);
-    for (int s0 = 0; s0 < segments; s0 += BATCH, rec += BATCH * (D + 4)) {
-        float2 st[BATCH];
-        float4 a[BATCH];
+    for (int s0 = 0; s0 < segments; s0 += CHUNK, rec += CHUNK * RECORD) {
+        prefetch_chunk(s0 + CHUNK);
+        const int last = segments - 1 - s0;
+        float4 acc[CHUNK];
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k)
-            if (s0 + k < segments) {
-                st[k] = *(const float2 *)(rec + k * (D + 4));
-                a[k] = *(const float4 *)(rec + k * (D + 4) + 4 + 4 * j);
-            }
+        for (int k = 0; k < CHUNK; ++k) acc[k] = *(const float4 *)(rec + min(k, last) * RECORD + 4 + 4 * j);
+        const float2 st = *(const float2 *)(rec + min(j, last) * RECORD);
+        /* past the chunk or the row's last segment: a segment the row cannot see */
+        const float m_g = j < CHUNK && j <= last ? st.x : -INFINITY;
+        float incl = m_g;
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k)
-            if (s0 + k < segments) {
-                const float acc[4] = {a[k].x, a[k].y, a[k].z, a[k].w};
-                merge_segment<4>(m, l, o, st[k].x, st[k].y, acc, p.scale_log2);
-            }
+        for (int d = 1; d < CHUNK; d *= 2) {
+            const float t = __shfl_up_sync(group, incl, d, LANES);
+            if (j >= d) incl = fmaxf(incl, t);
+        }
+        const float before = __shfl_up_sync(group, incl, 1, LANES);
+        const MergeLink link = merge_link(j == 0 ? m : fmaxf(m, before), m_g, c);
+        const unsigned seen = __ballot_sync(group, link.seen) >> first_lane;
+#pragma unroll
+        for (int k = 0; k < CHUNK; ++k) {
+            const float a = __shfl_sync(group, link.a, k, LANES), b = __shfl_sync(group, link.b, k, LANES);
+            const float l_g = __shfl_sync(group, st.y, k, LANES);
+            const bool seen_k = (seen >> k) & 1u;
+            l = merge_term(a, b, seen_k, l, l_g);
+            o[0] = merge_term(a, b, seen_k, o[0], acc[k].x);
+            o[1] = merge_term(a, b, seen_k, o[1], acc[k].y);
+            o[2] = merge_term(a, b, seen_k, o[2], acc[k].z);
+            o[3] = merge_term(a, b, seen_k, o[3], acc[k].w);
+        }
+        m = fmaxf(m, __shfl_sync(group, incl, CHUNK - 1, LANES));
     }
     float y[4], lse;
     finalize_row<4>(m, l, o, y, lse, p.scale_log2);
@@ -463,18 +518,20 @@ __device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRa
 /* Split schedule, second kernel: combine_row for every row (b, i, head), D / 4 threads per row. */
 template <bool BF16, int D>
 __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams p) {
-#if __CUDA_ARCH__ >= 900
-    /* launched as a programmatic dependent of the split kernel (launch_fwd): its CTAs may start before
-     * the split kernel ends; this waits until it has ended and its records are visible */
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
     constexpr int LANES = D / 4, ROWS_PER_CTA = 128 / LANES;
     const int64_t row = (int64_t)blockIdx.x * ROWS_PER_CTA + threadIdx.x / LANES;
     if (row >= p.rows_total) return;
     const int64_t bi = row / p.heads_q;
     const int b = (int)(bi / p.seq.max_q_len);
     SequenceRange range;
-    if (!load_sequence(p.seq, b, range, true)) return;
+    const bool range_ok = load_sequence(p.seq, b, range, true);
+#if __CUDA_ARCH__ >= 900
+    /* launched as a programmatic dependent of the split kernel (launch_fwd): its CTAs may start before
+     * the split kernel ends; this waits until it has ended and its records are visible. The sequence
+     * range is the call's input, written before the split kernel started, so it is loaded before. */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    if (!range_ok) return;
     combine_row<BF16, D>(p, range, b, (int)(bi % p.seq.max_q_len), (int)(row % p.heads_q), threadIdx.x % LANES);
 }
 
