@@ -460,13 +460,14 @@ __device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRa
     const unsigned group = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << first_lane;
 
     /* The merge is a serial chain; a load per link made it latency-bound (43 us for the 64 segments
-     * of a 32k cache). All of the row's records are asked into L1 at once (one L2 round trip, each
-     * lane a 32-byte sector in turn). Then, CHUNK segments at a time: the loads of a chunk together
-     * (unconditional, the last segment's again past it, so that no branch sinks a load to its use);
-     * lane k computes link s0 + k's factors from the running maximum before it (an inclusive scan
-     * of the chunk's maxima: max is exact, so any order gives the serial chain's values; only a
-     * zero's sign could differ, and neither a factor nor the lse depends on it); then every lane
-     * runs the chain of terms for its 4 columns, the links in order, their factors shuffled. */
+     * of a 32k cache). CHUNK segments at a time, the next chunk's records asked into L1 meanwhile
+     * (each lane a 32-byte sector in turn; the whole row at once measured slower at B = 16 over 32k):
+     * the loads of a chunk together (unconditional, the last segment's again past it, so that no
+     * branch sinks a load to its use); lane k computes link s0 + k's factors from the running
+     * maximum before it (an inclusive scan of the chunk's maxima: max is exact, so any order gives
+     * the serial chain's values; only a zero's sign could differ, and neither a factor nor the lse
+     * depends on it); then every lane runs the chain of terms for its 4 columns, the links in
+     * order, their factors shuffled. */
     const char *const records = (const char *)rec;
     const auto prefetch_chunk = [&](int s0) { /* segments s0 .. s0 + CHUNK - 1 of the row's, into L1 */
         const int64_t end = (int64_t)min(s0 + CHUNK, segments) * RECORD * 4;
