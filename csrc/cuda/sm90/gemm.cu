@@ -16,7 +16,7 @@
  *           at M <= 8: 4 x 16 with 8-row A slots), K-major B only;
  *   narrow x2: BM = 128 (2 consumers), BN = 96 / 64 / 48 / 32 / 16 (8 / 8 / 10 / 11 / 12 stages), no
  *           cluster (at M <= 128 the second CTA of a cluster would own only rows past M), K-major B
- *           except BN = 64.
+ *           except BN = 64; 64 wide also at 129-256 rows in place of tall when its tiles fit one wave.
  *   Every config but narrow stages one 64-wide k-slice at a time. Narrow tiles stream weights, and
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
@@ -211,6 +211,13 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
             best = {c, stream_k, chain_split, 0};
         }
     }
+    /* 129 to 256 rows whose tall tiles fit in one wave (q / o / down at decode batches 200 and 256): the same
+     * tiles without the cluster, whose B multicast measured slower there than each CTA reading B from L2
+     * (H200, perf-notes "Decode GEMMs: a forced-plan sweep on the H200"): q / o at 200 rows 22.5 -> 20.9 us,
+     * down 52.2 -> 48.5 */
+    if (best.config == CONFIG_TALL && !best.stream_k && M <= 256 && chains == 1 &&
+        ((M + 127) / 128) * ((N + 63) / 64) <= num_sms)
+        best.config = CONFIG_NARROW64_X2;
     /* K chains on swapped operands (SWAP_CHAINED_MIN_BN above): the fewest tiles of at most SWAP_MAX_BN of M's
      * rows, equal widths rounded up to 16, taken where they cost less than the normal tiles by more than 1/32 */
     if (swappable && chains > 1 && has_workspace && M > 128 && M <= SWAP_CHAINED_MAX_M) {
