@@ -454,7 +454,8 @@ __device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRa
     constexpr int LANES = D / 4, RECORD = D + 4, CHUNK = 16;
     static_assert(LANES >= CHUNK && LANES <= 32, "a chunk's links are lanes of the row's group");
     const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
-    const float *rec = p.partials + (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments * RECORD;
+    const float *const row_records =
+        p.partials + (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments * RECORD;
     /* the row's LANES lanes of its warp (D = 64: two rows a warp) */
     const int first_lane = (threadIdx.x & 31) & ~(LANES - 1);
     const unsigned group = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << first_lane;
@@ -468,15 +469,16 @@ __device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRa
      * the serial chain's values; only a zero's sign could differ, and neither a factor nor the lse
      * depends on it); then every lane runs the chain of terms for its 4 columns, the links in
      * order, their factors shuffled. */
-    const char *const records = (const char *)rec;
     const auto prefetch_chunk = [&](int s0) { /* segments s0 .. s0 + CHUNK - 1 of the row's, into L1 */
+        const char *const bytes = (const char *)row_records;
         const int64_t end = (int64_t)min(s0 + CHUNK, segments) * RECORD * 4;
-        for (int64_t x = (int64_t)s0 * RECORD * 4 + 32 * j; x < end; x += 32 * LANES) prefetch_l1(records + x);
+        for (int64_t x = (int64_t)s0 * RECORD * 4 + 32 * j; x < end; x += 32 * LANES) prefetch_l1(bytes + x);
     };
     prefetch_chunk(0);
     const float c = p.scale_log2;
     float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s0 = 0; s0 < segments; s0 += CHUNK, rec += CHUNK * RECORD) {
+    for (int s0 = 0; s0 < segments; s0 += CHUNK) {
+        const float *const rec = row_records + (int64_t)s0 * RECORD;
         prefetch_chunk(s0 + CHUNK);
         const int last = segments - 1 - s0;
         float4 acc[CHUNK];
