@@ -194,6 +194,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
     }
     gemm_plan best = {CONFIG_LARGE, false, false, 0};
     double best_ns = INFINITY;
+    int64_t best_tiles = 0;
     for (int c = 0; c <= CONFIG_WIDE; ++c) {
         if (c == CONFIG_WIDE && (b_mn || chains > 1)) continue;  /* K-major B, unchained (launch_config) */
         const int bm = 64 * config_consumers[c];
@@ -209,14 +210,14 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
         if (ns < best_ns) {
             best_ns = ns;
             best = {c, stream_k, chain_split, 0};
+            best_tiles = tiles;
         }
     }
     /* 129 to 256 rows whose tall tiles fit in one wave (q / o / down at decode batches 200 and 256): the same
      * tiles without the cluster, whose B multicast measured slower there than each CTA reading B from L2
      * (H200, perf-notes "Decode GEMMs: a forced-plan sweep on the H200"): q / o at 200 rows 22.5 -> 20.9 us,
      * down 52.2 -> 48.5 */
-    if (best.config == CONFIG_TALL && !best.stream_k && M <= 256 && chains == 1 &&
-        ((M + 127) / 128) * ((N + 63) / 64) <= num_sms)
+    if (best.config == CONFIG_TALL && !best.stream_k && M <= 256 && chains == 1 && best_tiles <= num_sms)
         best.config = CONFIG_NARROW64_X2;
     /* K chains on swapped operands (SWAP_CHAINED_MIN_BN above): the fewest tiles of at most SWAP_MAX_BN of M's
      * rows, equal widths rounded up to 16, taken where they cost less than the normal tiles by more than 1/32 */
