@@ -24,7 +24,7 @@
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm80_forced takes either on request.
  * Shared memory: prefill 64 x d Q tile + 2 x (K, V) blocks = 80 KB (d = 128) / 40 KB (d = 64);
  * split 64 x d Q tile + 3 x (K, V) blocks = 112 KB / 56 KB. Registers (ptxas sm_90, d = 128 / 64,
- * no spills, sm_80 alike): prefill 255 / 189, split 216 / 152, combine 120 / 128 (16 segment records in
+ * no spills, sm_80 alike): prefill 255 / 189, split 216 / 152, combine 121 / 128 (16 segment records in
  * flight), backward dK/dV 250 / 184, dQ 231 / 184, prep 32 / 28.
  * Measured (H100, bf16, d = 128, causal, GQA 32/8, scripts/attention_sm80_probe.py): prefill forward
  * 233-244 TFLOP/s at T = 4k (flash SDPA 303-318, cuDNN 531), fwd+bwd 212; decode over an 8k cache

@@ -44,14 +44,14 @@
  *     registers of two CTAs leave none for Q's fragments: ptxas serialized the wgmmas). It writes the
  *     segment state of each row (m, l, acc[head_dim], fp32) to the workspace; the combine kernel
  *     (cuda/attention.cuh, as sm80's) merges each row's segments in increasing order and normalizes
- *     (head_dim / 4 threads per row, 4 columns each; a chunk's link factors one a lane, then the chain). It is launched as a programmatic dependent of the
- *     split kernel, which triggers it as it starts, so its launch overlaps the split kernel
- *     (griddepcontrol). When a call's keys are at most MERGE_CLUSTER_MAX segments (caches up to 4096
- *     keys) and its grid is one wave, no combine kernel runs: the segments of one (row tile, kv head,
- *     sequence) are one thread-block cluster, and its rank 0 merges the rows with the combine kernel's
- *     combine_row once every rank's records are written (merge_in_cluster). A grid without clusters runs
- *     kv heads first, (row tile x kv head, segment, sequence) (FwdTiles::HEADS_FIRST), so that a wave's
- *     CTAs read whole rows of the cache.
+ *     (head_dim / 4 threads per row, 4 columns each; a chunk's link factors one a lane, then the
+ *     chain). It is launched as a programmatic dependent of the split kernel, which triggers it as it
+ *     starts, so its launch overlaps the split kernel (griddepcontrol). When a call's keys are at most
+ *     MERGE_CLUSTER_MAX segments (caches up to 4096 keys) and its grid is one wave, no combine kernel
+ *     runs: the segments of one (row tile, kv head, sequence) are one thread-block cluster, and its rank
+ *     0 merges the rows with the combine kernel's combine_row once every rank's records are written
+ *     (merge_in_cluster). A grid without clusters runs kv heads first, (row tile x kv head, segment,
+ *     sequence) (FwdTiles::HEADS_FIRST), so that a wave's CTAs read whole rows of the cache.
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
  *   When max_q_len * G <= 8 (decode with G <= 8) the split kernel's THREAD_ROWS = 1 instantiation
@@ -61,7 +61,7 @@
  * K or V 128 / 64 KB + row states' o 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 4 or 3 stages
  * 128 or 96 / 64 or 48 KB; + 1 KB in which the mbarriers sit and the tiles align to 1024 bytes.
  * Registers (ptxas, sm_90a, no spills): prefill 168 at entry (consumers then 224; producer 48), split
- * one an SM 240, two an SM 128 (consumer 208), combine 120 / 128.
+ * one an SM 240, two an SM 128 (consumer 208), combine 121 / 128.
  * Speed, what limits it and what was tried: docs/perf-notes.md ("Attention forward on wgmma");
  * tables in docs/benchmarks.md (benchmarks/bench_attention.py).
  *
