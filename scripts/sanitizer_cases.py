@@ -29,6 +29,8 @@ def main():
         a, w = randn(2100, 128), randn(1024, 128)
         rl_kernels.det_gemm(a, w.t(), backend=backend)
         rl_kernels.det_gemm(a.t().contiguous().t(), w.t(), out_dtype=torch.float32, backend=backend)
+        # sm90's swapped operands at a layer shape: M = 395 as 4 tiles of 112 columns, the last holding 59 rows
+        rl_kernels.det_gemm(randn(395, 256), randn(4096, 256).t(), backend=backend)
         # K >= 65536 (sm90 K chains): a tile's chains spread over CTAs (M = 200), and run in turn (M = 1)
         w = randn(300, 65600)
         for m in (200, 1):

@@ -119,6 +119,22 @@ typedef struct gemm_plan {
 #define SWAP_MAX_M 1408
 #define SWAP_MIN_WAVES 4
 #define SWAP_MAX_BN 240
+/* Swapped operands at the other shapes (fewer weight tiles than the head's) from SWAP_ANY_MIN_M rows: M in
+ * t tiles of equal width (SWAP_MIN_BN to SWAP_MAX_BN, rounded up to 16) for the t whose waves of 128 x width
+ * tiles cost the least, taken where that is below the normal plan's estimate by more than SWAP_ANY_MARGIN.
+ * The swapped tiles' width is a finer menu than the normal tiles' 64 / 128 / 192 / 256: they fill waves and
+ * pad M less (791 rows: 4 x 208 in one wave of q's 128 tiles, against 7 x 128 = 896 rows on 112 large
+ * tiles). Measured on the H200 over the layer's forward shapes at 209-5482 rows, each width paired with
+ * cuBLAS (perf-notes, "Swapped operands at the layer's shapes"): 5-17% faster at k / v 1025-2710,
+ * q / o 304-446 and 791, gate / up 791, down 304-446, 791 and 2661, the rest within 3%; at 209-256 rows
+ * every width was slower than the normal tiles (k / v: 8 weight tiles) */
+#define SWAP_ANY_MIN_M 257
+#define SWAP_ANY_MARGIN 0.05
+#define SWAP_MIN_BN 80
+/* A swapped tile's ns per k16 step: medium's (128 wide) to large's (256) by width, and no less than at
+ * SWAP_STEP_FLOOR_BN: on the H200 one wave of 80-112-wide tiles took 93-107 ns a step, 128-wide 110,
+ * 208-wide 162 (below 112 the time stopped shrinking with the width) */
+#define SWAP_STEP_FLOOR_BN 96
 /* K chains (the head's dX = G W, K = 151,936, N = 4096) swap from 129 to SWAP_CHAINED_MAX_M rows: out^T =
  * W^T G^T in tiles of 128 of W's columns x 144-240 of G's rows, where the chain rounds cost less than the
  * normal tiles' (chained_ns) by more than 1/32; the normal tiles compute M rounded up to 128 (256 for a
@@ -129,6 +145,12 @@ typedef struct gemm_plan {
 #define SWAP_CHAINED_MIN_BN 144
 #define SWAP_CHAINED_MAX_M 4096
 #define SWAP_CHAINED_STEP_SCALE 0.97
+
+static double swapped_step_ns(int64_t bn) {
+    const int64_t width = bn > SWAP_STEP_FLOOR_BN ? bn : SWAP_STEP_FLOOR_BN;
+    return config_step_ns[CONFIG_MEDIUM] +
+           (double)(width - 128) / 128 * (config_step_ns[CONFIG_LARGE] - config_step_ns[CONFIG_MEDIUM]);
+}
 
 /* ns of a chained plan: tiles in waves, or whole rounds and then the last round's tiles as one piece per
  * chain (split: there is such a round and the pieces pay), at step_ns per k16 step of a tile */
@@ -219,15 +241,26 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
      * down 52.2 -> 48.5 */
     if (best.config == CONFIG_TALL && !best.stream_k && M <= 256 && chains == 1 && best_tiles <= num_sms)
         best.config = CONFIG_NARROW64_X2;
+    /* swapped operands at the other shapes (SWAP_ANY_MIN_M above) */
+    if (swappable && chains == 1 && !head_like && M >= SWAP_ANY_MIN_M) {
+        const int64_t weight_tiles = (N + 127) / 128;
+        double swap_ns = INFINITY;
+        int swap_bn = 0;
+        for (int64_t t = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN;; ++t) {
+            const int64_t bn = ((M + t - 1) / t + 15) / 16 * 16;
+            if (bn < SWAP_MIN_BN) break;
+            const double ns = (double)((weight_tiles * t + num_sms - 1) / num_sms) * steps * swapped_step_ns(bn);
+            if (ns < swap_ns) swap_ns = ns, swap_bn = (int)bn;
+        }
+        if (swap_ns < best_ns * (1 - SWAP_ANY_MARGIN)) return {CONFIG_LARGE, false, false, swap_bn};
+    }
     /* K chains on swapped operands (SWAP_CHAINED_MIN_BN above): the fewest tiles of at most SWAP_MAX_BN of M's
      * rows, equal widths rounded up to 16, taken where they cost less than the normal tiles by more than 1/32 */
     if (swappable && chains > 1 && has_workspace && M > 128 && M <= SWAP_CHAINED_MAX_M) {
         const int64_t m_tiles = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN;
         const int64_t even = ((M + m_tiles - 1) / m_tiles + 15) / 16 * 16;
         const int64_t bn = even > SWAP_CHAINED_MIN_BN ? even : SWAP_CHAINED_MIN_BN;
-        const double step_ns = SWAP_CHAINED_STEP_SCALE *
-                               (config_step_ns[CONFIG_MEDIUM] + (double)(bn - 128) / 128 *
-                                                                    (config_step_ns[CONFIG_LARGE] - config_step_ns[CONFIG_MEDIUM]));
+        const double step_ns = SWAP_CHAINED_STEP_SCALE * swapped_step_ns(bn);
         bool split = false;
         const double ns = chained_ns((N + 127) / 128 * m_tiles, steps, chains, step_ns, num_sms, &split);
         if (ns * 32 < best_ns * 31) return {CONFIG_LARGE, false, split, (int)bn};

@@ -5,7 +5,8 @@
  * Tile plan. A persistent grid (one CTA per SM) walks work units in a grouped order that keeps a band
  * of A rows and B columns hot in L2; a unit is Epilogue::TILES_PER_UNIT output tiles of BM x BN in a
  * row (1 for a GEMM). Warpgroup 0 is the producer: one thread issues TMA loads (cp.async.bulk.tensor,
- * 128-byte swizzle, zero fill out of bounds) of BK = 64 wide k-slices of A and B into a ring of STAGES
+ * 128-byte swizzle, zero fill past K; rows of A past M, and of the swapped operands' B past N, are not
+ * loaded) of BK = 64 wide k-slices of A and B into a ring of STAGES
  * shared-memory stages of SLICES k-slices each, which complete on mbarriers (the narrow decode configs
  * take 2-16 slices a stage: a weight stream's pace is set by its stages more than by its bytes,
  * docs/perf-notes.md "Decode GEMMs: bytes per stage"). Each consumer warpgroup owns 64 rows of the tile
@@ -742,7 +743,7 @@ template <int BN, int CONSUMERS, int A_ROWS, int STAGES, int SLICES, int CLUSTER
           class Epilogue>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_a_tail,
-                 const __grid_constant__ CUtensorMap map_b,
+                 const __grid_constant__ CUtensorMap map_b, const __grid_constant__ CUtensorMap map_b_tail,
                  const __grid_constant__ CUtensorMap map_out, const gemm_sm90_params p,
                  const typename Epilogue::Params ep) {
     constexpr int BM = 64 * CONSUMERS;
@@ -750,6 +751,14 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     constexpr bool TMA_EPILOGUE = epi_buffers<BN, CONSUMERS, Epilogue>() > 0;
     constexpr uint32_t A_SLICE = A_ROWS * CONSUMERS * BK * 2, B_SLICE = BN * BK * 2;  /* a k-slice's slot */
     constexpr uint32_t MN_BOX = 64 * BK * 2;  /* one 64 (MN) x 64 (K) box of an MN-major operand */
+    /* a K-major B tile's rows in boxes of BN / CLUSTER (map_b's box: a cluster's CTAs load one each) */
+    constexpr int B_BOX_ROWS = BN / CLUSTER;
+    /* B rows past N stay unloaded in the swapped operands' tiles (TRANSPOSED: B is X, and the last of the
+     * equal-width tiles of its rows is partly empty): stale rows reach accumulator columns past N only,
+     * which the transposed store never stores. The other kernels keep TMA's zero fill: a fold over a row
+     * (linear_logp's) would read those columns, and the extra producer instructions made the 64-wide
+     * tiles 4-6% slower (perf-notes, "Swapped operands at the layer's shapes") */
+    constexpr bool B_TAIL_UNLOADED = !B_MN && Epilogue::TRANSPOSED;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t smem = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(uint32_t)(SMEM_ALIGN - 1);
     const uint32_t a_smem = smem, b_smem = smem + STAGES * SLICES * A_SLICE;
@@ -796,6 +805,26 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                     constexpr bool SHARED_B = decltype(shared_b)::value;
                     const int n_end = min(n_unit * TILES_PER_UNIT + tile_end, p.col_tiles);
                     for (int n_blk = n_unit * TILES_PER_UNIT + tile_begin; n_blk < n_end; ++n_blk) {
+                        /* K-major B in boxes of B_BOX_ROWS: the last column tile loads its boxes inside N in
+                         * full, the one N cuts through by map_b_tail (its rows rounded up to 8) and none past
+                         * N, like A's tail (B_TAIL_UNLOADED) */
+                        int b_full_boxes = BN / B_BOX_ROWS, b_tail_rows = 0;
+                        if constexpr (B_TAIL_UNLOADED) {
+                            const int rows = min(BN, p.N - n_blk * BN);
+                            b_full_boxes = rows / B_BOX_ROWS;
+                            b_tail_rows = (rows % B_BOX_ROWS + 7) / 8 * 8;
+                        }
+                        const uint32_t b_bytes = (b_full_boxes * B_BOX_ROWS + b_tail_rows) * BK * 2;
+                        auto load_b_box = [&](uint32_t dst, int box, int k, uint32_t bar) {
+                            const CUtensorMap *map = &map_b;
+                            if constexpr (B_TAIL_UNLOADED) {
+                                if (box > b_full_boxes || (box == b_full_boxes && b_tail_rows == 0)) return;
+                                if (box == b_full_boxes) map = &map_b_tail;
+                            }
+                            const int row = n_blk * BN + box * B_BOX_ROWS;
+                            if constexpr (SHARED_B) tma_load_2d_multicast(dst, map, k, row, bar, 0x3);
+                            else tma_load_2d(dst, map, k, row, bar);
+                        };
                         for (int kt = k_begin; kt < k_end; ++it) {
                             const int s = it % STAGES;
                             const int slices = stage_slices<SLICES>(kt, k_end);
@@ -806,7 +835,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                              * stale shared memory only reaches accumulator rows that are never stored */
                             const int a_rows = m_blk < p.m_tiles - 1 ? BM : m_blk == p.m_tiles - 1 ? p.a_tail_rows : 0;
                             const uint32_t a_bytes = a_rows == BM ? p.a_box_bytes : a_rows > 0 ? p.a_tail_box_bytes : 0;
-                            mbar_arrive_expect_tx(bar, slices * (a_bytes + B_SLICE));
+                            mbar_arrive_expect_tx(bar, slices * (a_bytes + (B_MN ? B_SLICE : b_bytes)));
 #pragma unroll
                             for (int j = 0; j < SLICES; ++j) {
                                 if (j > 0 && j >= slices) break;
@@ -833,18 +862,17 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                                                                   bar, 0x3);
                                         }
                                     } else {
-                                        tma_load_2d_multicast(b_dst + cta_rank * HALF * BK * 2, &map_b, k,
-                                                              n_blk * BN + cta_rank * HALF, bar, 0x3);
+                                        load_b_box(b_dst + cta_rank * HALF * BK * 2, cta_rank, k, bar);
                                     }
                                 } else {
                                     /* the whole B tile into this CTA: MN-major in 64-column boxes, K-major in the
                                      * map's boxes of BN / CLUSTER rows */
-                                    constexpr int B_BOX = B_MN ? 64 : BN / CLUSTER;
+                                    constexpr int B_BOX = B_MN ? 64 : B_BOX_ROWS;
 #pragma unroll
                                     for (int jb = 0; jb < BN / B_BOX; ++jb) {
                                         const uint32_t dst = b_dst + jb * B_BOX * BK * 2;
                                         if constexpr (B_MN) tma_load_2d(dst, &map_b, n_blk * BN + B_BOX * jb, k, bar);
-                                        else tma_load_2d(dst, &map_b, k, n_blk * BN + B_BOX * jb, bar);
+                                        else load_b_box(dst, jb, k, bar);
                                     }
                                 }
                             }
@@ -979,10 +1007,11 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     p.a_box_bytes = BM * BK * 2;
     p.a_tail_box_bytes = A_MN ? (p.a_tail_rows + 63) / 64 * 64 * BK * 2 : p.a_tail_rows * BK * 2;
     const CUtensorMapDataType in_type = BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    CUtensorMap map_a, map_a_tail, map_b, map_out;
+    CUtensorMap map_a, map_a_tail, map_b, map_b_tail, map_out;
     memset(&map_a, 0, sizeof(map_a));
     memset(&map_a_tail, 0, sizeof(map_a_tail));
     memset(&map_b, 0, sizeof(map_b));
+    memset(&map_b_tail, 0, sizeof(map_b_tail));
     memset(&map_out, 0, sizeof(map_out));
     if (args->K > 0) {
         const bool ok_a =
@@ -992,7 +1021,11 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
                         make_tensor_map(&map_a_tail, in_type, args->a, args->K, args->M, args->lda * 2, BK, p.a_tail_rows));
         const bool ok_b = B_MN ? make_tensor_map(&map_b, in_type, args->b, args->N, args->K, args->ldb * 2, 64, BK)
                                : make_tensor_map(&map_b, in_type, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER);
-        if (!ok_a || !ok_b) return RLK_UNSUPPORTED;
+        /* the box of the last column tile that N cuts through (the kernel's B_TAIL_UNLOADED), rows rounded up to 8 */
+        const int b_tail_rows = (int)((args->N - (args->N - 1) / BN * BN) % (BN / CLUSTER) + 7) / 8 * 8;
+        const bool ok_b_tail = B_MN || b_tail_rows == 0 ||
+                               make_tensor_map(&map_b_tail, in_type, args->b, args->K, args->N, args->ldb * 2, BK, b_tail_rows);
+        if (!ok_a || !ok_b || !ok_b_tail) return RLK_UNSUPPORTED;
     }
     /* out as [M rows, N columns] in boxes of 64 rows x 128 bytes (store_tile_tma); else the register path.
      * Transposed: out^T, i.e. out as [N rows, M columns] in boxes of 16 rows x 64 columns
@@ -1074,7 +1107,7 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
         const cudaError_t err = cudaMemsetAsync(p.partial_ready, 0, sizeof(int) * clusters * CLUSTER * CONSUMERS, stream);
         if (err != cudaSuccess) return (int)err;
     }
-    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_a_tail, map_b, map_out, p, kernel_ep);
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_a_tail, map_b, map_b_tail, map_out, p, kernel_ep);
     return err == cudaSuccess ? RLK_OK : (int)err;
 }
 
