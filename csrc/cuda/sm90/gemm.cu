@@ -21,7 +21,8 @@
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
  *   swapped: out^T = W X^T in tiles of 128 weight rows (2 consumers) x 80-240 of M's rows, clusters of 2
- *           sharing X by multicast, at 65-1408 rows with at least 4 waves of weight tiles (the LM head);
+ *           sharing X by multicast, at 65-1408 rows with at least 4 waves of weight tiles (the LM head),
+ *           and at the other shapes from 257 rows where their estimate beats the normal plan's by 5%;
  *           with K chains (the head's dX = G W as dX^T = W^T G^T, W MN-major) 144-240 of M's rows, where
  *           the chain rounds cost less than the normal tiles'.
  * M <= 128 (decode) takes the narrowest narrow config whose tiles still fit in one wave (x2 above 64 rows,
