@@ -1021,9 +1021,10 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
                         make_tensor_map(&map_a_tail, in_type, args->a, args->K, args->M, args->lda * 2, BK, p.a_tail_rows));
         const bool ok_b = B_MN ? make_tensor_map(&map_b, in_type, args->b, args->N, args->K, args->ldb * 2, 64, BK)
                                : make_tensor_map(&map_b, in_type, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER);
-        /* the box of the last column tile that N cuts through (the kernel's B_TAIL_UNLOADED), rows rounded up to 8 */
+        /* the swapped kernels' box of the last column tile that N cuts through (B_TAIL_UNLOADED), rows
+         * rounded up to 8 */
         const int b_tail_rows = (int)((args->N - (args->N - 1) / BN * BN) % (BN / CLUSTER) + 7) / 8 * 8;
-        const bool ok_b_tail = B_MN || b_tail_rows == 0 ||
+        const bool ok_b_tail = !Epilogue::TRANSPOSED || B_MN || b_tail_rows == 0 ||
                                make_tensor_map(&map_b_tail, in_type, args->b, args->K, args->N, args->ldb * 2, BK, b_tail_rows);
         if (!ok_a || !ok_b || !ok_b_tail) return RLK_UNSUPPORTED;
     }
