@@ -147,6 +147,9 @@ typedef struct gemm_plan {
 #define SWAP_CHAINED_MAX_M 4096
 #define SWAP_CHAINED_STEP_SCALE 0.97
 
+/* The width of M's rows cut into `tiles` swapped tiles of equal width, rounded up to 16 */
+static int64_t swapped_width(int64_t M, int64_t tiles) { return ((M + tiles - 1) / tiles + 15) / 16 * 16; }
+
 static double swapped_step_ns(int64_t bn) {
     const int64_t width = bn > SWAP_STEP_FLOOR_BN ? bn : SWAP_STEP_FLOOR_BN;
     return config_step_ns[CONFIG_MEDIUM] +
@@ -181,7 +184,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
      * to 16, where that is one tile or computes fewer rows than the normal 128-row tiles by more than 1/32 */
     const bool head_like = (N + 127) / 128 >= SWAP_MIN_WAVES * num_sms;
     if (swappable && chains == 1 && head_like && M >= SWAP_MIN_M && M <= SWAP_MAX_M) {
-        const int64_t tiles = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN, bn = ((M + tiles - 1) / tiles + 15) / 16 * 16;
+        const int64_t tiles = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN, bn = swapped_width(M, tiles);
         const int64_t normal_rows = (M + 127) / 128 * 128;
         if (tiles == 1 || tiles * bn * 32 <= normal_rows * 31) return {CONFIG_LARGE, false, false, (int)bn};
     }
@@ -248,7 +251,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
         double swap_ns = INFINITY;
         int swap_bn = 0;
         for (int64_t t = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN;; ++t) {
-            const int64_t bn = ((M + t - 1) / t + 15) / 16 * 16;
+            const int64_t bn = swapped_width(M, t);
             if (bn < SWAP_MIN_BN) break;
             const double ns = (double)((weight_tiles * t + num_sms - 1) / num_sms) * steps * swapped_step_ns(bn);
             if (ns < swap_ns) swap_ns = ns, swap_bn = (int)bn;
@@ -259,7 +262,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
      * rows, equal widths rounded up to 16, taken where they cost less than the normal tiles by more than 1/32 */
     if (swappable && chains > 1 && has_workspace && M > 128 && M <= SWAP_CHAINED_MAX_M) {
         const int64_t m_tiles = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN;
-        const int64_t even = ((M + m_tiles - 1) / m_tiles + 15) / 16 * 16;
+        const int64_t even = swapped_width(M, m_tiles);
         const int64_t bn = even > SWAP_CHAINED_MIN_BN ? even : SWAP_CHAINED_MIN_BN;
         const double step_ns = SWAP_CHAINED_STEP_SCALE * swapped_step_ns(bn);
         bool split = false;

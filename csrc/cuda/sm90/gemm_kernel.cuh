@@ -835,7 +835,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                              * stale shared memory only reaches accumulator rows that are never stored */
                             const int a_rows = m_blk < p.m_tiles - 1 ? BM : m_blk == p.m_tiles - 1 ? p.a_tail_rows : 0;
                             const uint32_t a_bytes = a_rows == BM ? p.a_box_bytes : a_rows > 0 ? p.a_tail_box_bytes : 0;
-                            mbar_arrive_expect_tx(bar, slices * (a_bytes + (B_MN ? B_SLICE : b_bytes)));
+                            mbar_arrive_expect_tx(bar, slices * (a_bytes + b_bytes));
 #pragma unroll
                             for (int j = 0; j < SLICES; ++j) {
                                 if (j > 0 && j >= slices) break;
