@@ -296,12 +296,12 @@ def test_decode_batch_1_vs_16_and_stale_nan(backend):
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float16, 64)])
 @pytest.mark.parametrize("hq,hkv,tq", [(2, 2, 1), (8, 1, 1), (32, 8, 2), (4, 2, 3),
                                        (8, 1, 2), (32, 8, 3), (16, 2, 5)])
-def test_split_one_or_two_rows_per_thread_bitwise(backend, dtype, d, hq, hkv, tq):
-    """sm90's split kernel computes one row per consumer thread when a tile's (query, head in group)
-    rows are at most 8 (tq * hq / hkv <= 8: the first four shapes; the thread's second row is then
-    padding) and two otherwise: the last tq rows over a cache equal the prefill's rows and lse
-    bitwise, for caches ending inside a block, at a segment boundary, inside the second segment and
-    past a cluster's 8 segments (the combine kernel)."""
+def test_split_few_rows_and_full_tiles_bitwise(backend, dtype, d, hq, hkv, tq):
+    """sm90's split kernel runs its products transposed, the tile's rows as wgmma's N = 8, when a
+    tile's (query, head in group) rows are at most 8 (tq * hq / hkv <= 8: the first four shapes),
+    and as 64-row products otherwise: either way the last tq rows over a cache equal the prefill's
+    rows and lse bitwise, for caches ending inside a block, at a segment boundary, inside the second
+    segment and past a cluster's 8 segments (the combine kernel)."""
     for t in (37, 512, 1000, 4500):
         q, k, v = qkv(1, t, t, hq, hkv, d, dtype, seed=t + hq + tq)
         full, full_lse = rl_kernels.attention(q, k, v, return_lse=True, backend=backend)

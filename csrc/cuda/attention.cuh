@@ -123,15 +123,12 @@ __device__ __forceinline__ void set_empty(RowPair &st) {
 /* The contract's mask of one key block, before update_rows: a score whose key the row cannot see
  * becomes -inf. Both backends' fragments hold, of row h, the columns 8 j + 2 (lane % 4) + e of the
  * block (s(h, j, e) as in update_rows); key0: the absolute position of the block's first key;
- * row_len: the visible keys of the thread's two rows. THREAD_ROWS (here, in update_rows and
- * rescale_rows): the thread's rows that are computed, 2, or 1 when only the tile's first 8 rows hold
- * queries (sm90's split kernel at decode: row h = 1 is padding in every thread; its p is set to 0 and
- * its state left as it is). KEYS (here and in update_rows): the block's keys, BLOCK_N, or sm90's
- * forward blocks of 128 (sm90/attention.cu, FWD_KEYS). */
-template <int THREAD_ROWS = 2, int KEYS = BLOCK_N, class Scores>
+ * row_len: the visible keys of the thread's two rows. KEYS (here and in update_rows): the block's
+ * keys, BLOCK_N, or sm90's forward blocks of 128 (sm90/attention.cu, FWD_KEYS). */
+template <int KEYS = BLOCK_N, class Scores>
 __device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_len)[2], Scores s) {
 #pragma unroll
-    for (int h = 0; h < THREAD_ROWS; ++h) {
+    for (int h = 0; h < 2; ++h) {
         const int visible = row_len[h] - key0 - 2 * (lane & 3); /* columns 8 j + e below are keys < L */
 #pragma unroll
         for (int j = 0; j < KEYS / 8; ++j)
@@ -141,27 +138,57 @@ __device__ __forceinline__ void mask_block(int lane, int key0, const int (&row_l
     }
 }
 
+/* The pieces of a row's update by one key block (update_rows runs them for the accumulator layout;
+ * sm90's decode kernel for its transposed one):
+ * update_max: the row's new m from its block max mx (the old m unless the max grew past it by more
+ * than RESCALE_THRESHOLD in scaled units), ms_new = scaled(new m) and the returned rescale factor
+ * alpha (exactly 1 while m stays, 0 for a row that was empty). Selects, not branches (a
+ * short-circuit || here compiled to branches that reload c from the constant bank): both scaled
+ * values and the exp2 run whether or not m moved. */
+__device__ __forceinline__ float update_max(float &m, float mx, float c, float &ms_new) {
+    const bool empty = m == -INFINITY;
+    const float ms_old = scaled(m, c);
+    const float m_max = fmaxf(m, mx);
+    const float ms_max = scaled(m_max, c);
+    const bool moves = empty | (ms_max > __fadd_rn(ms_old, RESCALE_THRESHOLD));
+    m = moves ? m_max : m;
+    ms_new = moves ? ms_max : ms_old;
+    const float rescale = exp2_approx(__fsub_rn(ms_old, ms_new));
+    return empty ? 0.0f : (moves ? rescale : 1.0f);
+}
+
+/* p of a masked score s: exp2(s c - ms_new) */
+__device__ __forceinline__ float score_p(float s, float c, float ms_new) { return exp2_approx(__fmaf_rn(s, c, -ms_new)); }
+
+/* One quad lane's part of a row's sum of p over a block: its KEYS / 4 values p(j, e) (column 8 j + 2
+ * (lane % 4) + e) in four chains (column pair parity x element, so that the adds do not wait on each
+ * other the whole block long), added pairwise. The row's sum adds the quad's parts, over the lanes
+ * xor 1 and then xor 2, and l = alpha l + sum. */
+template <int KEYS, class P>
+__device__ __forceinline__ float quad_part_sum(P p) {
+    float chain[4];
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float &link = chain[2 * (j & 1) + e];
+            link = j < 2 ? p(j, e) : __fadd_rn(link, p(j, e));
+        }
+    return __fadd_rn(__fadd_rn(chain[0], chain[1]), __fadd_rn(chain[2], chain[3]));
+}
+
 /* The contract's update of a RowPair by one key block, after masking, the two rows side by side (their
  * shuffles and sum chains overlap; each row's arithmetic is its own): per row h the block's max (this
- * thread's KEYS / 4 scores by a balanced tree, exact in any order, then over the quad), the new m
- * (the old one unless the max grew past it by more than RESCALE_THRESHOLD in scaled units), the
- * rescale factor alpha[h] (exactly 1 while m stays), the scores turned into p in place and summed
- * (four chains, below) then over the quad, l = alpha l + sum. The accumulators are scaled by alpha
- * afterwards (rescale_rows), before P V adds onto them. s(h, j, e): row h's score at this thread's
- * column pair j, element e; the backends' fragment layouts differ, the arithmetic is this one. */
-template <int THREAD_ROWS = 2, int KEYS = BLOCK_N, class Scores>
+ * thread's KEYS / 4 scores by a balanced tree, exact in any order, then over the quad), update_max,
+ * the scores turned into p in place (score_p), their quad_part_sum then over the quad, l = alpha l +
+ * sum. The accumulators are scaled by alpha afterwards (rescale_rows), before P V adds onto them.
+ * s(h, j, e): row h's score at this thread's column pair j, element e; the backends' fragment
+ * layouts differ, the arithmetic is this one. */
+template <int KEYS = BLOCK_N, class Scores>
 __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, float (&alpha)[2]) {
-    static_assert(THREAD_ROWS == 1 || THREAD_ROWS == 2, "a thread holds two rows");
     float mx[2], ms_new[2], sum[2];
-    if (THREAD_ROWS == 1) {
-        /* the padding row: no rescale, p = 0 (written, not left as S: with those registers passed
-         * from one wgmma to the next untouched, ptxas serialized every wgmma of sm90's kernel, C7511) */
-        alpha[1] = 1.0f;
 #pragma unroll
-        for (int j = 0; j < KEYS / 8; ++j) s(1, j, 0) = s(1, j, 1) = 0.0f;
-    }
-#pragma unroll
-    for (int h = 0; h < THREAD_ROWS; ++h) {
+    for (int h = 0; h < 2; ++h) {
         float mt[KEYS / 8];
 #pragma unroll
         for (int j = 0; j < KEYS / 8; ++j) mt[j] = fmaxf(s(h, j, 0), s(h, j, 1));
@@ -174,55 +201,34 @@ __device__ __forceinline__ void update_rows(RowPair &st, float c, Scores s, floa
 #pragma unroll
     for (int x = 1; x <= 2; x *= 2)
 #pragma unroll
-        for (int h = 0; h < THREAD_ROWS; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
+        for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
 #pragma unroll
-    for (int h = 0; h < THREAD_ROWS; ++h) {
-        /* selects, not branches (a short-circuit || here compiled to branches that reload c from the
-         * constant bank): both scaled values and the exp2 run whether or not m moved */
-        const bool empty = st.m[h] == -INFINITY;
-        const float ms_old = scaled(st.m[h], c);
-        const float m_max = fmaxf(st.m[h], mx[h]);
-        const float ms_max = scaled(m_max, c);
-        const bool moves = empty | (ms_max > __fadd_rn(ms_old, RESCALE_THRESHOLD));
-        st.m[h] = moves ? m_max : st.m[h];
-        ms_new[h] = moves ? ms_max : ms_old; /* scaled(st.m[h], c) */
-        const float rescale = exp2_approx(__fsub_rn(ms_old, ms_new[h]));
-        alpha[h] = empty ? 0.0f : (moves ? rescale : 1.0f);
-    }
-    /* p summed in four chains per row (column pair parity x element), so that the adds do not wait
-     * on each other the whole block long; the chains are added pairwise, then over the quad */
-    float chain[2][4];
+    for (int h = 0; h < 2; ++h) alpha[h] = update_max(st.m[h], mx[h], c, ms_new[h]);
 #pragma unroll
     for (int j = 0; j < KEYS / 8; ++j)
 #pragma unroll
-        for (int h = 0; h < THREAD_ROWS; ++h)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = exp2_approx(__fmaf_rn(s(h, j, e), c, -ms_new[h]));
-                s(h, j, e) = p;
-                float &link = chain[h][2 * (j & 1) + e];
-                link = j < 2 ? p : __fadd_rn(link, p);
-            }
+            for (int e = 0; e < 2; ++e) s(h, j, e) = score_p(s(h, j, e), c, ms_new[h]);
 #pragma unroll
-    for (int h = 0; h < THREAD_ROWS; ++h)
-        sum[h] = __fadd_rn(__fadd_rn(chain[h][0], chain[h][1]), __fadd_rn(chain[h][2], chain[h][3]));
+    for (int h = 0; h < 2; ++h) sum[h] = quad_part_sum<KEYS>([&](int j, int e) { return s(h, j, e); });
 #pragma unroll
     for (int x = 1; x <= 2; x *= 2)
 #pragma unroll
-        for (int h = 0; h < THREAD_ROWS; ++h) sum[h] = __fadd_rn(sum[h], __shfl_xor_sync(0xffffffffu, sum[h], x));
+        for (int h = 0; h < 2; ++h) sum[h] = __fadd_rn(sum[h], __shfl_xor_sync(0xffffffffu, sum[h], x));
 #pragma unroll
-    for (int h = 0; h < THREAD_ROWS; ++h) st.l[h] = __fmaf_rn(alpha[h], st.l[h], sum[h]);
+    for (int h = 0; h < 2; ++h) st.l[h] = __fmaf_rn(alpha[h], st.l[h], sum[h]);
 }
 
 /* The rows' D / 4 accumulators each scaled by its row's alpha (the contract's acc = alpha acc before
  * P V). Skipped when alpha is 1 in every row of the warp: x * 1 == x, so the bits are the same, and
  * after a segment's first block a row's m moves only when a score beats it by RESCALE_THRESHOLD.
  * o(h, j, e): row h's accumulator at column pair j, element e. The whole warp calls it. */
-template <int D, int THREAD_ROWS = 2, class Accs>
+template <int D, class Accs>
 __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], Accs o) {
     if (!__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;
 #pragma unroll
-    for (int h = 0; h < THREAD_ROWS; ++h)
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o(h, j, 0) = __fmul_rn(o(h, j, 0), alpha[h]);

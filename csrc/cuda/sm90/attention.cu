@@ -54,9 +54,10 @@
  *     sequence) (FwdTiles::HEADS_FIRST), so that a wave's CTAs read whole rows of the cache.
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
- *   When max_q_len * G <= 8 (decode with G <= 8) the split kernel's THREAD_ROWS = 1 instantiation
- *   runs: every consumer thread's second row (8 rows below its first) is then padding, and only its
- *   first row's softmax is computed (the same per-row function: block_scores).
+ *   When max_q_len * G <= 8 (decode with G <= 8) the split kernel's FEW_ROWS instantiation runs
+ *   (few_rows_consumer): S^T = K Q^T and O^T = V^T P^T with the tile's rows as wgmma's N = 8, the
+ *   same bits as the 64-row products at an eighth of their tensor work, the prefill's softmax
+ *   arithmetic in that transposed layout.
  * Shared memory (d = 128 / 64): prefill Q tile (a 64-row slab per warpgroup) 32 / 16 KB + 4 stages of
  * K or V 128 / 64 KB + row states' o 64 / 32 KB, one CTA per SM; split Q 16 / 8 KB + 4 or 3 stages
  * 128 or 96 / 64 or 48 KB; + 1 KB in which the mbarriers sit and the tiles align to 1024 bytes.
@@ -304,23 +305,19 @@ __device__ __forceinline__ void to_a_fragments(const float (&x)[KEYS / 2], uint3
  * absolute position of the block's first key; row_len: the visible keys of the thread's two rows;
  * masked: some row of the warpgroup cannot see the whole block. Accumulator layout (wgmma): this
  * thread holds of row h (0: 16 w + lane / 4, 1: + 8) the columns 8 j + 2 (lane % 4) + e in
- * x[4 j + 2 h + e]. THREAD_ROWS: 2, or 1 when only the warpgroup's first 8 rows hold queries (its
- * row h = 1 then gets p = 0 and keeps its state: update_rows). */
-template <int THREAD_ROWS>
+ * x[4 j + 2 h + e]. */
 __device__ __forceinline__ void block_scores(float (&s)[FWD_KEYS / 2], int lane, int key0, const int (&row_len)[2],
                                              bool masked, float c, RowPair &st, float (&alpha)[2]) {
     auto scores = [&](int h, int j, int e) -> float & { return s[4 * j + 2 * h + e]; };
-    if (masked) mask_block<THREAD_ROWS, FWD_KEYS>(lane, key0, row_len, scores);
-    update_rows<THREAD_ROWS, FWD_KEYS>(st, c, scores, alpha);
+    if (masked) mask_block<FWD_KEYS>(lane, key0, row_len, scores);
+    update_rows<FWD_KEYS>(st, c, scores, alpha);
 }
 
-template <bool BF16, int D, int THREAD_ROWS>
+template <bool BF16, int D>
 __device__ __forceinline__ void block_operands(const float (&s)[FWD_KEYS / 2], const float (&alpha)[2],
                                                float (&acc)[D / 2], uint32_t (&pa)[FWD_KEYS / 16][4], bool fresh) {
-    if (!fresh)
-        rescale_rows<D, THREAD_ROWS>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
-    to_a_fragments<BF16, FWD_KEYS>(s, pa); /* every row: with THREAD_ROWS 1 the padding row's p is 0
-                                    (update_rows), so its fragments are zeros */
+    if (!fresh) rescale_rows<D>(alpha, [&](int h, int j, int e) -> float & { return acc[4 * j + 2 * h + e]; });
+    to_a_fragments<BF16, FWD_KEYS>(s, pa);
 }
 
 /* cp.async of a warpgroup's 64 Q rows, tile rows row0 .. row0 + 63 (row r: query cta.query_of(r),
@@ -433,6 +430,228 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, const Seque
     }
 }
 
+/* A split CTA's tile number as fwd_cta numbers them: block_tile(), or, in a grid without clusters
+ * (kv heads first, HEADS_FIRST), block_tile's with x and y swapped. */
+__device__ __forceinline__ int split_tile(const FwdParams &p) {
+    return p.cluster_merge ? block_tile() : (int)(blockIdx.y + gridDim.y * (blockIdx.x + gridDim.x * blockIdx.z));
+}
+
+/* The split kernel for tiles of at most 8 rows (FEW_ROWS: max_q_len * G <= 8, decode with G <= 8).
+ * wgmma's M is 64 rows, so S = Q K^T over such a tile would spend 64-row products (1,024 tensor
+ * cycles a block of 128 keys at d = 128) on 8 rows or fewer. Here both products run transposed,
+ * the tile's rows as wgmma's N = 8:
+ *   S^T = K Q^T: two m64n8 chains a block (keys 0-63, 64-127 as M; K from its stage, Q's 8 rows from
+ *     shared memory, both K-major), each score one chain over the head_dim k16 steps from zero;
+ *   O^T = alpha O^T + V^T P^T: D / 64 m64n8 chains (head_dim as M: V's stage read MN-major, the
+ *     prefill's B operand transposed; round(P) from shared memory, K-major), the block's 8 key k16
+ *     steps in order onto the rescaled O^T (a segment's first block from scale-d 0).
+ * A wgmma output element is a function of its own A row and B column (the GEMM's swapped tiles rely
+ * on the same: out^T = W X^T gives out's bits), so S and O are the prefill's to the bit. The softmax
+ * keeps the prefill's arithmetic (update_max, score_p, quad_part_sum; cuda/attention.cuh) in this
+ * layout: thread (warp w, lane l) holds the scores of keys 64 T + 16 w + l / 4 + 8 h of rows 2 (l % 4)
+ * + e. Per block: the masked scores' maxima over the thread's 4 keys, the warp's lanes (xor 4, 8, 16)
+ * and the 4 warps (shared memory, a warpgroup barrier), which is exact in any order; each thread's
+ * update_max for its two rows; p into shared memory, rounded (P's tile) and fp32 (a barrier); O^T
+ * rescaled and V^T P^T issued; then, while it runs, warp 0 adds each row's p in the prefill's order:
+ * lane l sums row l / 4 as the prefill's quad lane l % 4 would (its keys 8 j + 2 (l % 4) + e, four
+ * chains), the quad's parts over xor 1, xor 2, l = alpha l + sum, the row's m and alpha from the same
+ * maxima by the same update_max. Shared memory: the Q tile region of the split tiles holds this
+ * kernel's (FewRows). */
+template <int D>
+struct FewRows {
+    static constexpr int ROWS = 8;
+    static constexpr int Q_BYTES = ROWS * D * 2; /* Q's 8 rows, BoxSwizzle<8> */
+    /* round(P), 8 rows x FWD_KEYS keys as BoxSwizzle<8>'s columns */
+    static constexpr int P_OFFSET = Q_BYTES;
+    /* fp32 p, [row][key], rows P32_PITCH floats apart (4 more than the keys: one store of the quads'
+     * rows 2 q + e hits 32 banks) */
+    static constexpr int P32_OFFSET = P_OFFSET + ROWS * FWD_KEYS * 2;
+    static constexpr int P32_PITCH = FWD_KEYS + 4;
+    static constexpr int MAX_OFFSET = P32_OFFSET + ROWS * P32_PITCH * 4; /* block maxima [warp][row] */
+    static constexpr int BYTES = MAX_OFFSET + 4 * ROWS * 4;
+    static_assert(P_OFFSET % TILE_ALIGN == 0, "P's tile is whole swizzle atoms");
+};
+
+/* The tile's rows 0-7 of Q (row r: query cta.query_of(r), head cta.head_of(r); zeros from rows_in
+ * on) into q_rows as BoxSwizzle<8>, one 16-byte chunk a thread. */
+template <int D>
+__device__ __forceinline__ void load_few_q_rows(uint32_t q_rows, const FwdParams &p, const FwdCta &cta, int tid) {
+    constexpr int CHUNKS_PER_ROW = D / 8;
+    const int r = tid / CHUNKS_PER_ROW, c = tid % CHUNKS_PER_ROW;
+    if (r >= FewRows<D>::ROWS) return;
+    const bool live = r < cta.rows_in;
+    const uint16_t *src = row_address(p.q, cta.b, cta.range.q_start + cta.query_of(r), cta.head_of(r)) + 8 * c;
+    cp_async_16(q_rows + BoxSwizzle<FewRows<D>::ROWS>::at(r, c), live ? (const void *)src : p.q.data, live ? 16 : 0);
+}
+
+/* The consumer warpgroup of the FEW_ROWS split kernel (above): its tile, whose segment's blocks the
+ * producer streams as K(t) = item 2 t, V(t) = item 2 t + 1, and the tile's records. area (area_ptr
+ * its generic address): FewRows' shared memory. range, range_ok: the tile's sequence range as
+ * fwd_cta loaded it (the cluster merge's). */
+template <bool BF16, int D, class Tiles>
+__device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring<Tiles::STAGES> &ring, uint32_t kv_ring,
+                                                  uint32_t area, unsigned char *area_ptr, int tid,
+                                                  SequenceRange &range, bool &range_ok) {
+    using L = FewRows<D>;
+    using Half = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
+    constexpr int STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES, D_TILES = D / 64;
+    static_assert(L::BYTES <= Tiles::Q_BYTES, "FewRows lives in the split tiles' Q region");
+    const int lane = tid & 31, warp = tid >> 5, quad = lane & 3;
+    float *const p32 = (float *)(area_ptr + L::P32_OFFSET);
+    float *const block_max = (float *)(area_ptr + L::MAX_OFFSET);
+    const float c = p.scale_log2;
+
+    FwdCta cta;
+    const bool has_tile = fwd_cta<SPLIT_ROWS, true, FWD_KEYS>(p, split_tile(p), cta);
+    range = cta.range;
+    range_ok = cta.range_ok;
+    if (!has_tile) return;
+    load_few_q_rows<D>(area, p, cta, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async_smem(); /* S^T reads Q from shared memory */
+    warpgroup_sync(1);
+
+    const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
+    int row_len[2]; /* of this thread's rows 2 quad + e */
+#pragma unroll
+    for (int e = 0; e < 2; ++e) row_len[e] = 2 * quad + e < cta.rows_in ? cta.len_of(2 * quad + e) : 0;
+    float m[2] = {-INFINITY, -INFINITY};
+    /* warp 0: the state of row lane / 4, whose sum this lane's quad adds */
+    const int sum_row = lane >> 2;
+    float sum_row_m = -INFINITY, sum_row_l = 0.0f;
+
+    const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc<FWD_KEYS>(kv_ring);
+    const SmemDesc q_desc = k_major_desc(area), p_desc = k_major_desc(area + L::P_OFFSET);
+    auto stage_bytes = [&](uint32_t item) { return (uint32_t)((item % STAGES) * KV_BYTES); };
+    float st[2][4], acc[D_TILES][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        st[0][i] = st[1][i] = 0.0f;
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d) acc[d][i] = 0.0f;
+    }
+    auto fence_registers = [&]() {
+        fence_accumulators(st[0]);
+        fence_accumulators(st[1]);
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d) fence_accumulators(acc[d]);
+    };
+
+    for (int t = 0; t < blocks; ++t) {
+        const uint32_t k_item = 2 * t, v_item = 2 * t + 1;
+        ring.wait_full(k_item);
+        fence_registers();
+        wgmma_fence();
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_k16<L::ROWS, BF16, 0, 0>(
+                    st[tile], k_desc.at(stage_bytes(k_item) + tile * 64 * 128 + k_major_step<FWD_KEYS * 128>(kk)),
+                    q_desc.at(k_major_step<L::ROWS * 128>(kk)), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>(); /* S^T of block t, and V^T P^T of block t - 1 */
+        fence_registers();
+        ring.release(k_item, lane);
+        if (t > 0) ring.release(v_item - 2, lane);
+
+        /* the rows' block maxima of the masked scores */
+        const int thread_key = (cta.block_begin + t) * FWD_KEYS + 16 * warp + (lane >> 2); /* + 64 tile + 8 h */
+        float mx[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            mx[e] = -INFINITY;
+#pragma unroll
+            for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float &x = st[tile][2 * h + e];
+                    if (thread_key + 64 * tile + 8 * h >= row_len[e]) x = -INFINITY;
+                    mx[e] = fmaxf(mx[e], x);
+                }
+#pragma unroll
+            for (int x = 4; x <= 16; x *= 2) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], x));
+        }
+        if (lane < 4) *(float2 *)&block_max[warp * L::ROWS + 2 * quad] = make_float2(mx[0], mx[1]);
+        warpgroup_sync(1);
+        float ms_new[2], alpha[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int r = 2 * quad + e;
+            mx[e] = fmaxf(fmaxf(block_max[r], block_max[L::ROWS + r]),
+                          fmaxf(block_max[2 * L::ROWS + r], block_max[3 * L::ROWS + r]));
+            alpha[e] = update_max(m[e], mx[e], c, ms_new[e]);
+        }
+        float sum_row_alpha = 0.0f;
+        if (warp == 0) {
+            const float row_mx = fmaxf(fmaxf(block_max[sum_row], block_max[L::ROWS + sum_row]),
+                                       fmaxf(block_max[2 * L::ROWS + sum_row], block_max[3 * L::ROWS + sum_row]));
+            float unused;
+            sum_row_alpha = update_max(sum_row_m, row_mx, c, unused);
+        }
+        /* p: rounded into P's tile (V^T P^T's B operand) and fp32 for the sums */
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 2 * quad + e, key = 64 * tile + 16 * warp + (lane >> 2) + 8 * h;
+                    const float pv = score_p(st[tile][2 * h + e], c, ms_new[e]);
+                    st_shared_16(area + L::P_OFFSET + BoxSwizzle<L::ROWS>::at(r, key / 8) + 2 * (key % 8), pv,
+                                 (Half *)nullptr);
+                    p32[r * L::P32_PITCH + key] = pv;
+                }
+        fence_proxy_async_smem(); /* V^T P^T reads P's tile */
+        warpgroup_sync(1);
+
+        /* O^T = alpha O^T (x 1 is exact: skipped when no row of the warp rescales), then + V^T P^T */
+        if (t > 0 && __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
+#pragma unroll
+            for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[d][i] = __fmul_rn(acc[d][i], alpha[i % 2]);
+        ring.wait_full(v_item);
+        fence_registers();
+        wgmma_fence();
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+            for (int kt = 0; kt < FWD_KEYS / 16; ++kt)
+                wgmma_k16<L::ROWS, BF16, 1, 0>(acc[d], v_desc.at(stage_bytes(v_item) + d * FWD_KEYS * 128 + kt * 16 * 128),
+                                               p_desc.at(k_major_step<L::ROWS * 128>(kt)), kt > 0 || t > 0);
+        wgmma_commit();
+        if (warp == 0) {
+            const float *const row_p = p32 + sum_row * L::P32_PITCH + 2 * quad;
+            float sum = quad_part_sum<FWD_KEYS>([&](int j, int e) { return row_p[8 * j + e]; });
+#pragma unroll
+            for (int x = 1; x <= 2; x *= 2) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, x));
+            sum_row_l = __fmaf_rn(sum_row_alpha, sum_row_l, sum);
+        }
+    }
+    wgmma_wait<0>();
+    fence_registers();
+    ring.release(2 * blocks - 1, lane);
+
+    /* the records of the tile's rows: {m, l, 0, 0, acc[D]} */
+    auto record = [&](int r) {
+        const int64_t row = ((int64_t)cta.b * p.seq.max_q_len + cta.query_of(r)) * p.heads_q + cta.head_of(r);
+        return p.partials + (row * p.num_segments + cta.segment) * (D + 4);
+    };
+    if (warp == 0 && quad == 0 && sum_row < cta.rows_in) *(float2 *)record(sum_row) = make_float2(sum_row_m, sum_row_l);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int r = 2 * quad + e;
+        if (r >= cta.rows_in) continue;
+        float *const rec = record(r) + 4 + 16 * warp + (lane >> 2);
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) rec[64 * d + 8 * h] = acc[d][2 * h + e];
+    }
+}
+
 /* Pipeline, per CTA. The CTA takes tiles (rows of one (sequence, head) or, split, of one (sequence,
  * kv head, segment)) one after the other: a split CTA its blockIdx only; a prefill CTA tile blockIdx.x,
  * then tickets from p.tile_counter, so the grid is one CTA per SM and a CTA's next tile needs no
@@ -463,10 +682,10 @@ __device__ __forceinline__ void merge_in_cluster(const FwdParams &p, const Seque
  *     waits for and frees its K and V, so the barriers' phases stay in step. The two consumer
  *     warpgroups run unsynchronized; their wgmmas and softmaxes interleave on their own (forced
  *     turn-taking with named barriers measured 1-6% slower). */
-template <bool BF16, int D, bool SPLIT, int THREAD_ROWS = 2, int SPLIT_CTAS = 2, class Params>
+template <bool BF16, int D, bool SPLIT, bool FEW_ROWS = false, int SPLIT_CTAS = 2, class Params>
 __device__ __forceinline__ void fwd_pipeline(const Params &p) {
     using Tiles = FwdTiles<D, SPLIT, SPLIT_CTAS>;
-    static_assert(THREAD_ROWS == 2 || SPLIT, "one row per thread: a split tile of at most 8 rows (Forward::run)");
+    static_assert(!FEW_ROWS || SPLIT, "few_rows_consumer: a split tile of at most 8 rows (Forward::run)");
     constexpr int ROWS = Tiles::ROWS, STAGES = Tiles::STAGES, KV_BYTES = Tiles::KV_BYTES;
     constexpr int WARPGROUPS = Tiles::WARPGROUPS;
     extern __shared__ unsigned char smem_raw[];
@@ -521,8 +740,7 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
         if constexpr (!Tiles::PERSISTENT) {
             /* without clusters the grid is (row tile x kv head, segment, sequence) (HEADS_FIRST): the
              * same tile number, block_tile's with x and y swapped */
-            const int tile = p.cluster_merge ? block_tile()
-                                             : (int)(blockIdx.y + gridDim.y * (blockIdx.x + gridDim.x * blockIdx.z));
+            const int tile = split_tile(p);
             return n == 0 && fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, tile, cta) ? tile : -1;
         }
         mbar_wait(tile_ready_bar + 8 * (n & 1), (n >> 1) & 1);
@@ -593,6 +811,12 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
             });
             first += 2 * blocks;
         }
+    } else if constexpr (FEW_ROWS) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
+        SequenceRange range;
+        bool range_ok;
+        few_rows_consumer<BF16, D, Tiles>(p, ring, kv_ring, q_tile, smem_raw + (q_tile - full_bar), tid, range, range_ok);
+        if (p.cluster_merge) merge_in_cluster<BF16, D>(p, range, range_ok, merge_bar, tid);
     } else {
         /* consumer warpgroup wg: rows wg_row0 .. wg_row0 + 63 of each tile */
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tiles::CONSUMER_REGS));
@@ -696,7 +920,7 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
             auto stage_bytes = [&](uint32_t item) { return (uint32_t)((item % STAGES) * KV_BYTES); };
             auto scores = [&](int t) {
                 const int key0 = (cta.block_begin + t) * FWD_KEYS;
-                block_scores<THREAD_ROWS>(s, lane, key0, row_len, key0 + FWD_KEYS > wg_min_len, p.scale_log2, seg,
+                block_scores(s, lane, key0, row_len, key0 + FWD_KEYS > wg_min_len, p.scale_log2, seg,
                                           alpha);
             };
             /* prefill: block t starts a segment, so the one before it ended one */
@@ -723,7 +947,7 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
                 fence_registers();
                 ring.release(k_item(0), lane);
                 scores(0);
-                block_operands<BF16, D, THREAD_ROWS>(s, alpha, acc, pa, true);
+                block_operands<BF16, D>(s, alpha, acc, pa, true);
                 bool fresh = true; /* the last scored block starts a segment: its P V starts acc */
                 /* turn t: S of block t, then P V of block t - 1 in a second group, then block t's
                  * softmax */
@@ -747,7 +971,7 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
                     fence_registers();
                     ring.release(v_item(t - 1), lane);
                     if (new_segment) merge_ended(ended);
-                    block_operands<BF16, D, THREAD_ROWS>(s, alpha, acc, pa, new_segment);
+                    block_operands<BF16, D>(s, alpha, acc, pa, new_segment);
                     fresh = new_segment;
                 }
                 /* turn nb: P V of the last block */
@@ -828,10 +1052,10 @@ __global__ void __launch_bounds__(FwdTiles<D, false>::THREADS, FwdTiles<D, false
     fwd_pipeline<BF16, D, false>(p);
 }
 
-template <bool BF16, int D, int THREAD_ROWS, int SPLIT_CTAS>
+template <bool BF16, int D, bool FEW_ROWS, int SPLIT_CTAS>
 __global__ void __launch_bounds__(FwdTiles<D, true, SPLIT_CTAS>::THREADS, FwdTiles<D, true, SPLIT_CTAS>::MIN_CTAS)
     attention_fwd_split_kernel(const FwdParams p) {
-    fwd_pipeline<BF16, D, true, THREAD_ROWS, SPLIT_CTAS>(p);
+    fwd_pipeline<BF16, D, true, FEW_ROWS, SPLIT_CTAS>(p);
 }
 
 /* ------------------------------------ backward ---------------------------------------------- */
@@ -1281,9 +1505,9 @@ struct Forward {
         return FwdTiles<D, false>::PERSISTENT ? persistent_workspace_bytes() : 0;
     }
     static int run(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t stream) {
-        /* a split tile's rows are (query, head in group) pairs: when they are at most 8, every
-         * consumer thread's second row is padding and the kernel computes the first alone */
-        const bool eight_rows = a->max_q_len * (a->heads_q / a->heads_kv) <= 8;
+        /* a split tile's rows are (query, head in group) pairs: at most 8 of them run transposed, as
+         * wgmma's N (few_rows_consumer) */
+        const bool few_rows = a->max_q_len * (a->heads_q / a->heads_kv) <= FewRows<D>::ROWS;
         /* a split grid that fits one CTA an SM runs alone on each: the same S per score (Q in registers
          * or from shared memory, the tests compare them), its per-block chain shortest */
         bool one_per_sm = false;
@@ -1295,12 +1519,12 @@ struct Forward {
         }
         if (one_per_sm)
             return launch_fwd<BF16, D, FwdTilesOnePerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D>,
-                                                     eight_rows ? attention_fwd_split_kernel<BF16, D, 1, 1>
-                                                                : attention_fwd_split_kernel<BF16, D, 2, 1>,
+                                                     few_rows ? attention_fwd_split_kernel<BF16, D, true, 1>
+                                                              : attention_fwd_split_kernel<BF16, D, false, 1>,
                                                      true, MERGE_CLUSTER_MAX, fwd_kv_maps);
         return launch_fwd<BF16, D, FwdTilesTwoPerSm>(a, schedule, stream, attention_fwd_kernel<BF16, D>,
-                                            eight_rows ? attention_fwd_split_kernel<BF16, D, 1, 2>
-                                                       : attention_fwd_split_kernel<BF16, D, 2, 2>,
+                                            few_rows ? attention_fwd_split_kernel<BF16, D, true, 2>
+                                                     : attention_fwd_split_kernel<BF16, D, false, 2>,
                                             true, MERGE_CLUSTER_MAX, fwd_kv_maps);
     }
 };

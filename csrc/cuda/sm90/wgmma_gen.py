@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 # N of every tile config in sm90/*.cu (80-240 in steps of 16: gemm.cu's swapped operands)
-WIDTHS = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+WIDTHS = (8, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 
 
 def asm_statement(n: int, ptx_type: str) -> str:
