@@ -11,7 +11,8 @@ result. setup.py runs this into the build tree. By hand:
 import sys
 from pathlib import Path
 
-# N of every tile config in sm90/*.cu (80-240 in steps of 16: gemm.cu's swapped operands)
+# N of every tile config in sm90/*.cu (8: attention.cu's few-row split kernel; 80-240 in steps of 16:
+# gemm.cu's swapped operands)
 WIDTHS = (8, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 
 
