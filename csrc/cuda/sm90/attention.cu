@@ -436,6 +436,14 @@ __device__ __forceinline__ int split_tile(const FwdParams &p) {
     return p.cluster_merge ? block_tile() : (int)(blockIdx.y + gridDim.y * (blockIdx.x + gridDim.x * blockIdx.z));
 }
 
+/* Split schedule: the segment record {m, l, 0, 0, acc[D]} of the tile's row r, query i = cta.query_of(r)
+ * and head cta.head_of(r) (the caller passes the two it has) */
+template <int D>
+__device__ __forceinline__ float *segment_record(const FwdParams &p, const FwdCta &cta, int i, int head) {
+    const int64_t row = ((int64_t)cta.b * p.seq.max_q_len + i) * p.heads_q + head;
+    return p.partials + (row * p.num_segments + cta.segment) * (D + 4);
+}
+
 /* The split kernel for tiles of at most 8 rows (FEW_ROWS: max_q_len * G <= 8, decode with G <= 8).
  * wgmma's M is 64 rows, so S = Q K^T over such a tile would spend 64-row products (1,024 tensor
  * cycles a block of 128 keys at d = 128) on 8 rows or fewer. Here both products run transposed,
@@ -575,20 +583,18 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
         }
         if (lane < 4) *(float2 *)&block_max[warp * L::ROWS + 2 * quad] = make_float2(mx[0], mx[1]);
         warpgroup_sync(1);
+        /* row r's maximum over the 4 warps' */
+        auto row_max = [&](int r) {
+            return fmaxf(fmaxf(block_max[r], block_max[L::ROWS + r]),
+                         fmaxf(block_max[2 * L::ROWS + r], block_max[3 * L::ROWS + r]));
+        };
         float ms_new[2], alpha[2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int r = 2 * quad + e;
-            mx[e] = fmaxf(fmaxf(block_max[r], block_max[L::ROWS + r]),
-                          fmaxf(block_max[2 * L::ROWS + r], block_max[3 * L::ROWS + r]));
-            alpha[e] = update_max(m[e], mx[e], c, ms_new[e]);
-        }
+        for (int e = 0; e < 2; ++e) alpha[e] = update_max(m[e], row_max(2 * quad + e), c, ms_new[e]);
         float sum_row_alpha = 0.0f;
         if (warp == 0) {
-            const float row_mx = fmaxf(fmaxf(block_max[sum_row], block_max[L::ROWS + sum_row]),
-                                       fmaxf(block_max[2 * L::ROWS + sum_row], block_max[3 * L::ROWS + sum_row]));
             float unused;
-            sum_row_alpha = update_max(sum_row_m, row_mx, c, unused);
+            sum_row_alpha = update_max(sum_row_m, row_max(sum_row), c, unused);
         }
         /* p: rounded into P's tile (V^T P^T's B operand) and fp32 for the sums */
 #pragma unroll
@@ -606,12 +612,9 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
         fence_proxy_async_smem(); /* V^T P^T reads P's tile */
         warpgroup_sync(1);
 
-        /* O^T = alpha O^T (x 1 is exact: skipped when no row of the warp rescales), then + V^T P^T */
-        if (t > 0 && __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
-#pragma unroll
-            for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[d][i] = __fmul_rn(acc[d][i], alpha[i % 2]);
+        /* O^T = alpha O^T by rescale_rows (its row h: this thread's row 2 quad + h; its column pair j,
+         * element e: acc[j][2 e + h]), then + V^T P^T */
+        if (t > 0) rescale_rows<8 * D_TILES>(alpha, [&](int h, int j, int e) -> float & { return acc[j][2 * e + h]; });
         ring.wait_full(v_item);
         fence_registers();
         wgmma_fence();
@@ -634,11 +637,8 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
     fence_registers();
     ring.release(2 * blocks - 1, lane);
 
-    /* the records of the tile's rows: {m, l, 0, 0, acc[D]} */
-    auto record = [&](int r) {
-        const int64_t row = ((int64_t)cta.b * p.seq.max_q_len + cta.query_of(r)) * p.heads_q + cta.head_of(r);
-        return p.partials + (row * p.num_segments + cta.segment) * (D + 4);
-    };
+    /* the records of the tile's rows */
+    auto record = [&](int r) { return segment_record<D>(p, cta, cta.query_of(r), cta.head_of(r)); };
     if (warp == 0 && quad == 0 && sum_row < cta.rows_in) *(float2 *)record(sum_row) = make_float2(sum_row_m, sum_row_l);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -1007,9 +1007,7 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
                 if (r >= cta.rows_in) continue;
                 const int i = cta.query_of(r), head = cta.head_of(r);
                 if constexpr (SPLIT) {
-                    const int64_t record =
-                        (((int64_t)cta.b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + cta.segment;
-                    float *rec = p.partials + record * (D + 4);
+                    float *rec = segment_record<D>(p, cta, i, head);
                     if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
 #pragma unroll
                     for (int j = 0; j < D / 8; ++j)
