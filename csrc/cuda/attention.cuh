@@ -447,6 +447,18 @@ __device__ __forceinline__ const uint16_t *row_address(const rlk_attention_tenso
     return (const uint16_t *)t.data + b * t.batch_stride + row * t.row_stride + head * t.head_stride;
 }
 
+/* Split schedule: the workspace's records of row (b, i, head), segment s's {m, l, 0, 0, acc[D]} at
+ * + s (D + 4) floats (row_records), and the one a tile's segment writes (segment_record: its query i and
+ * head, the caller passes the two it has) */
+template <int D>
+__device__ __forceinline__ float *row_records(const FwdParams &p, int b, int i, int head) {
+    return p.partials + (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments * (D + 4);
+}
+template <int D>
+__device__ __forceinline__ float *segment_record(const FwdParams &p, const FwdCta &cta, int i, int head) {
+    return row_records<D>(p, cta.b, i, head) + (int64_t)cta.segment * (D + 4);
+}
+
 /* Split schedule, the merge of row (b, i, head): its segment records 0 .. ceil(L / 512) - 1 merged in
  * order and normalized, with the prefill kernel's merge_segment and finalize_row; lane j of D / 4
  * threads holds columns 4 j .. 4 j + 3. range: sequence b's, as load_sequence (write_rows) gave it to
@@ -460,8 +472,7 @@ __device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRa
     constexpr int LANES = D / 4, RECORD = D + 4, CHUNK = 16;
     static_assert(LANES >= CHUNK && LANES <= 32, "a chunk's links are lanes of the row's group");
     const int segments = (visible_keys(i, range.q_len, range.k_len, p.causal) + SEGMENT - 1) / SEGMENT;
-    const float *const row_records =
-        p.partials + (((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments * RECORD;
+    const float *const records = row_records<D>(p, b, i, head);
     /* the row's LANES lanes of its warp (D = 64: two rows a warp) */
     const int first_lane = (threadIdx.x & 31) & ~(LANES - 1);
     const unsigned group = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << first_lane;
@@ -476,7 +487,7 @@ __device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRa
      * depends on it); then every lane runs the chain of terms for its 4 columns, the links in
      * order, their factors shuffled. */
     const auto prefetch_chunk = [&](int s0) { /* segments s0 .. s0 + CHUNK - 1 of the row's, into L1 */
-        const char *const bytes = (const char *)row_records;
+        const char *const bytes = (const char *)records;
         const int64_t end = (int64_t)min(s0 + CHUNK, segments) * RECORD * 4;
         for (int64_t x = (int64_t)s0 * RECORD * 4 + 32 * j; x < end; x += 32 * LANES) prefetch_l1(bytes + x);
     };
@@ -484,7 +495,7 @@ __device__ __forceinline__ void combine_row(const FwdParams &p, const SequenceRa
     const float c = p.scale_log2;
     float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int s0 = 0; s0 < segments; s0 += CHUNK) {
-        const float *const rec = row_records + (int64_t)s0 * RECORD;
+        const float *const rec = records + (int64_t)s0 * RECORD;
         prefetch_chunk(s0 + CHUNK);
         const int last = segments - 1 - s0;
         float4 acc[CHUNK];

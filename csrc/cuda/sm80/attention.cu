@@ -329,8 +329,7 @@ __global__ void __launch_bounds__(FwdTiles<D, SPLIT>::THREADS, FwdTiles<D, SPLIT
         if (r >= cta.rows_in) continue;
         const int i = cta.query_of(r), head = cta.head_of(r);
         if (SPLIT) {
-            float *rec = p.partials +
-                         ((((int64_t)b * p.seq.max_q_len + i) * p.heads_q + head) * p.num_segments + cta.segment) * (D + 4);
+            float *rec = segment_record<D>(p, cta, i, head);
             if ((lane & 3) == 0) *(float2 *)rec = make_float2(seg.m[h], seg.l[h]);
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt)

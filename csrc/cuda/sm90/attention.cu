@@ -436,14 +436,6 @@ __device__ __forceinline__ int split_tile(const FwdParams &p) {
     return p.cluster_merge ? block_tile() : (int)(blockIdx.y + gridDim.y * (blockIdx.x + gridDim.x * blockIdx.z));
 }
 
-/* Split schedule: the segment record {m, l, 0, 0, acc[D]} of the tile's row r, query i = cta.query_of(r)
- * and head cta.head_of(r) (the caller passes the two it has) */
-template <int D>
-__device__ __forceinline__ float *segment_record(const FwdParams &p, const FwdCta &cta, int i, int head) {
-    const int64_t row = ((int64_t)cta.b * p.seq.max_q_len + i) * p.heads_q + head;
-    return p.partials + (row * p.num_segments + cta.segment) * (D + 4);
-}
-
 /* The split kernel for tiles of at most 8 rows (FEW_ROWS: max_q_len * G <= 8, decode with G <= 8).
  * wgmma's M is 64 rows, so S = Q K^T over such a tile would spend 64-row products (1,024 tensor
  * cycles a block of 128 keys at d = 128) on 8 rows or fewer. Here both products run transposed,
