@@ -407,16 +407,13 @@ struct FwdCta {
 
 __device__ __forceinline__ int block_tile() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
 
-/* Fills cta for tile `tile` of the ROWS-row tiles; false when it has nothing to do (its sequence's
- * query range is out of bounds, its tile past the sequence's rows, or its segment past the keys its
- * rows see: a prefill tile whose rows see no key still writes them). */
-template <int ROWS, bool SPLIT, int KEYS = BLOCK_N>
-__device__ __forceinline__ bool fwd_cta(const FwdParams &p, int tile, FwdCta &cta) {
+/* The part of fwd_cta that the tile number alone decides (no sequence range): b, segment, kv_head,
+ * head0, row0, rows_per_query. The sm90 split kernel starts its first copies from it before the range
+ * has loaded. */
+template <int ROWS, bool SPLIT>
+__device__ __forceinline__ void tile_rows(const FwdParams &p, int tile, FwdCta &cta) {
     const int x = tile % p.grid_x, yz = tile / p.grid_x, y = yz % p.grid_y;
     cta.b = yz / p.grid_y;
-    cta.range_ok = load_sequence(p.seq, cta.b, cta.range, true);
-    if (!cta.range_ok) return false;
-    cta.causal = p.causal;
     cta.segment = 0;
     if (SPLIT) {
         cta.segment = x;
@@ -430,6 +427,17 @@ __device__ __forceinline__ bool fwd_cta(const FwdParams &p, int tile, FwdCta &ct
         cta.row0 = (p.grid_y - 1 - y) * ROWS;
         cta.rows_per_query = 1;
     }
+}
+
+/* Fills cta for tile `tile` of the ROWS-row tiles; false when it has nothing to do (its sequence's
+ * query range is out of bounds, its tile past the sequence's rows, or its segment past the keys its
+ * rows see: a prefill tile whose rows see no key still writes them). */
+template <int ROWS, bool SPLIT, int KEYS = BLOCK_N>
+__device__ __forceinline__ bool fwd_cta(const FwdParams &p, int tile, FwdCta &cta) {
+    tile_rows<ROWS, SPLIT>(p, tile, cta);
+    cta.range_ok = load_sequence(p.seq, cta.b, cta.range, true);
+    if (!cta.range_ok) return false;
+    cta.causal = p.causal;
     cta.rows_in = min(ROWS, cta.range.q_len * cta.rows_per_query - cta.row0);
     if (cta.rows_in <= 0) return false;
     /* rows are in increasing query order, so the last row sees the most keys */

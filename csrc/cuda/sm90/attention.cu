@@ -190,9 +190,10 @@ struct Ring {
      * on return every item is marked full. Item j - 1 is marked before the wait for a stage that is not
      * free yet, so a consumer waiting for it is not held until another consumer frees a stage, and one
      * that holds all but one stage while it waits for it (a consumer running S a block ahead would)
-     * cannot deadlock. */
+     * cannot deadlock. The first `issued` items were copied before the call (copy_first_block_early),
+     * one commit group each, into stages known free: produce only marks them. */
     template <class Load>
-    __device__ __forceinline__ void produce(uint32_t first, int count, Load load) const {
+    __device__ __forceinline__ void produce(uint32_t first, int count, Load load, int issued = 0) const {
         auto mark_full = [&](uint32_t item) {
             fence_proxy_async_smem();
             mbar_arrive(full_bar + 8 * (item % STAGES));
@@ -200,14 +201,16 @@ struct Ring {
         for (int j = 0; j < count; ++j) {
             const int s = (first + j) % STAGES;
             const uint32_t free_parity = (((first + j) / STAGES) & 1) ^ 1;
-            const bool mark_first = j > 0 && !mbar_ready(empty_bar + 8 * s, free_parity);
+            const bool mark_first = j >= issued && j > 0 && !mbar_ready(empty_bar + 8 * s, free_parity);
             if (mark_first) {
                 cp_async_wait<0>();
                 mark_full(first + j - 1);
             }
-            mbar_wait(empty_bar + 8 * s, free_parity);
-            load(j, s);
-            cp_async_commit();
+            if (j >= issued) {
+                mbar_wait(empty_bar + 8 * s, free_parity);
+                load(j, s);
+                cp_async_commit();
+            }
             if (j > 0 && !mark_first) {
                 cp_async_wait<1>();
                 mark_full(first + j - 1);
@@ -436,6 +439,34 @@ __device__ __forceinline__ int split_tile(const FwdParams &p) {
     return p.cluster_merge ? block_tile() : (int)(blockIdx.y + gridDim.y * (blockIdx.x + gridDim.x * blockIdx.z));
 }
 
+/* Split over sequences that start at storage row 0 (k_start null: a KV cache or a padded batch): K and
+ * V of the tile's first block (its segment's block 0, keys SEGMENT x .. + FWD_KEYS - 1) copied by this
+ * producer thread into the ring's stages 0 and 1, one commit group each, before the sequence range has
+ * loaded: at decode that load (load_sequence) is ~1,400 cycles of a CTA's ~20,000, and the block's
+ * copies waited behind it. Only when those rows lie inside the storage (k_rows), whatever the range
+ * turns out to be. Returns the ring items issued (2, or 0). The copies are the bytes Ring::produce
+ * would copy for a whole block; the caller waits for them and copies again when the range makes the
+ * block partial (rows past k_len must be zeros). */
+template <int D, int KV_BYTES>
+__device__ __forceinline__ int copy_first_block_early(const FwdParams &p, uint32_t kv_ring, int ptid) {
+    if (p.seq.k_start) return 0;
+    FwdCta cta;
+    tile_rows<SPLIT_ROWS, true>(p, split_tile(p), cta);
+    const int64_t row0 = (int64_t)cta.segment * SEGMENT;
+    if (row0 + FWD_KEYS > p.seq.k_rows) return 0;
+    const int64_t thread_row = row0 + ptid / (D / 8);
+    const int thread_col = 8 * (ptid % (D / 8));
+    using KvRows = BoxSwizzle<FWD_KEYS>;
+    load_thread_rows_async<D, FWD_KEYS, 128, KvRows>(kv_ring, row_address(p.k, cta.b, thread_row, cta.kv_head) + thread_col,
+                                                     p.k.row_stride, FWD_KEYS, p.k.data, ptid);
+    cp_async_commit();
+    load_thread_rows_async<D, FWD_KEYS, 128, KvRows>(kv_ring + KV_BYTES,
+                                                     row_address(p.v, cta.b, thread_row, cta.kv_head) + thread_col,
+                                                     p.v.row_stride, FWD_KEYS, p.v.data, ptid);
+    cp_async_commit();
+    return 2;
+}
+
 /* The split kernel for tiles of at most 8 rows (FEW_ROWS: max_q_len * G <= 8, decode with G <= 8).
  * wgmma's M is 64 rows, so S = Q K^T over such a tile would spend 64-row products (1,024 tensor
  * cycles a block of 128 keys at d = 128) on 8 rows or fewer. Here both products run transposed,
@@ -501,13 +532,31 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
     float *const block_max = (float *)(area_ptr + L::MAX_OFFSET);
     const float c = p.scale_log2;
 
+    /* decode (q_start and q_len null, the queries 0 .. max_q_len - 1 inside the storage): Q's rows are
+     * copied before the sequence range has loaded, as copy_first_block_early does K and V; the range
+     * then only decides whether the tile runs */
+    const int tile = split_tile(p);
+    const bool early_q = !p.seq.q_start && !p.seq.q_len && p.seq.max_q_len <= p.seq.q_rows;
+    if (early_q) {
+        FwdCta rows;
+        tile_rows<SPLIT_ROWS, true>(p, tile, rows);
+        rows.range.q_start = 0;
+        rows.rows_in = min(SPLIT_ROWS, (int)p.seq.max_q_len * rows.rows_per_query - rows.row0);
+        load_few_q_rows<D>(area, p, rows, tid);
+        cp_async_commit();
+    }
     FwdCta cta;
-    const bool has_tile = fwd_cta<SPLIT_ROWS, true, FWD_KEYS>(p, split_tile(p), cta);
+    const bool has_tile = fwd_cta<SPLIT_ROWS, true, FWD_KEYS>(p, tile, cta);
     range = cta.range;
     range_ok = cta.range_ok;
-    if (!has_tile) return;
-    load_few_q_rows<D>(area, p, cta, tid);
-    cp_async_commit();
+    if (!has_tile) {
+        cp_async_wait<0>();
+        return;
+    }
+    if (!early_q) {
+        load_few_q_rows<D>(area, p, cta, tid);
+        cp_async_commit();
+    }
     cp_async_wait<0>();
     fence_proxy_async_smem(); /* S^T reads Q from shared memory */
     warpgroup_sync(1);
@@ -753,6 +802,8 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
          * stage holds the same bytes in the same swizzle (TMA's 128-byte swizzle is BoxSwizzle's) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tiles::PRODUCER_REGS));
         const int ptid = tid - Tiles::CONSUMER_THREADS;
+        int issued = 0; /* split: the tile's ring items copied before its range (copy_first_block_early) */
+        if constexpr (SPLIT) issued = copy_first_block_early<D, KV_BYTES>(p, kv_ring, ptid);
         uint32_t first = 0; /* the tile's first ring item */
         int next = blockIdx.x;
         for (int n = 0;; ++n) {
@@ -767,10 +818,16 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
             FwdCta cta;
             const int tile = tile_of(n, cta);
             free_tile();
+            /* early copies land before the CTA ends or copies again over them */
+            if (tile < 0 || (issued > 0 && cta.range.k_len - cta.block_begin * FWD_KEYS < FWD_KEYS)) {
+                cp_async_wait<0>();
+                issued = 0;
+            }
             if (tile < 0) break;
             if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, tile, cta);
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
-            const int64_t thread_row = cta.range.k_start + cta.block_begin * FWD_KEYS + ptid / (D / 8);
+            const int64_t thread_row =
+                cta.range.k_start + (cta.block_begin + issued / 2) * FWD_KEYS + ptid / (D / 8);
             const int64_t thread_col = 8 * (ptid % (D / 8));
             const uint16_t *k_src = row_address(p.k, cta.b, thread_row, cta.kv_head) + thread_col;
             const uint16_t *v_src = row_address(p.v, cta.b, thread_row, cta.kv_head) + thread_col;
@@ -800,7 +857,7 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
                     load_thread_rows_async<D, FWD_KEYS, 128, KvRows>(dst, v_src, p.v.row_stride, keys_in, p.v.data, ptid);
                     v_src += FWD_KEYS * p.v.row_stride;
                 }
-            });
+            }, issued);
             first += 2 * blocks;
         }
     } else if constexpr (FEW_ROWS) {
