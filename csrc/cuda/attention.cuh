@@ -165,16 +165,26 @@ __device__ __forceinline__ float score_p(float s, float c, float ms_new) { retur
  * other the whole block long), added pairwise. The row's sum adds the quad's parts, over the lanes
  * xor 1 and then xor 2, and l = alpha l + sum. */
 template <int KEYS, class P>
+__device__ __forceinline__ float quad_part_chain(int chain, P p);
+__device__ __forceinline__ float quad_chains_sum(const float (&chain)[4]) {
+    return __fadd_rn(__fadd_rn(chain[0], chain[1]), __fadd_rn(chain[2], chain[3]));
+}
+template <int KEYS, class P>
 __device__ __forceinline__ float quad_part_sum(P p) {
     float chain[4];
 #pragma unroll
-    for (int j = 0; j < KEYS / 8; ++j)
+    for (int c = 0; c < 4; ++c) chain[c] = quad_part_chain<KEYS>(c, p);
+    return quad_chains_sum(chain);
+}
+/* Chain `chain` (2 (j & 1) + e) of quad_part_sum: its p(j, e) in increasing j. The sm90 few-row split
+ * kernel runs the four on four warps. */
+template <int KEYS, class P>
+__device__ __forceinline__ float quad_part_chain(int chain, P p) {
+    const int e = chain & 1, j0 = chain >> 1;
+    float link = p(j0, e);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            float &link = chain[2 * (j & 1) + e];
-            link = j < 2 ? p(j, e) : __fadd_rn(link, p(j, e));
-        }
-    return __fadd_rn(__fadd_rn(chain[0], chain[1]), __fadd_rn(chain[2], chain[3]));
+    for (int i = 1; i < KEYS / 16; ++i) link = __fadd_rn(link, p(j0 + 2 * i, e));
+    return link;
 }
 
 /* The contract's update of a RowPair by one key block, after masking, the two rows side by side (their

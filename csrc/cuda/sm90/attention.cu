@@ -454,6 +454,13 @@ __device__ __forceinline__ int copy_first_block_early(const FwdParams &p, uint32
     tile_rows<SPLIT_ROWS, true>(p, split_tile(p), cta);
     const int64_t row0 = (int64_t)cta.segment * SEGMENT;
     if (row0 + FWD_KEYS > p.seq.k_rows) return 0;
+    /* the range's entries asked for first: its load then does not queue behind these 4,096 copies */
+    auto prefetch = [&](const int32_t *entries) {
+        if (entries) asm volatile("prefetch.global.L1 [%0];" ::"l"(entries + cta.b));
+    };
+    prefetch(p.seq.q_start);
+    prefetch(p.seq.q_len);
+    prefetch(p.seq.k_len);
     const int64_t thread_row = row0 + ptid / (D / 8);
     const int thread_col = 8 * (ptid % (D / 8));
     using KvRows = BoxSwizzle<FWD_KEYS>;
@@ -483,11 +490,12 @@ __device__ __forceinline__ int copy_first_block_early(const FwdParams &p, uint32
  * + e. Per block: the masked scores' maxima over the thread's 4 keys, the warp's lanes (xor 4, 8, 16)
  * and the 4 warps (shared memory, a warpgroup barrier), which is exact in any order; each thread's
  * update_max for its two rows; p into shared memory, rounded (P's tile) and fp32 (a barrier); O^T
- * rescaled and V^T P^T issued; then, while it runs, warp 0 adds each row's p in the prefill's order:
- * lane l sums row l / 4 as the prefill's quad lane l % 4 would (its keys 8 j + 2 (l % 4) + e, four
- * chains), the quad's parts over xor 1, xor 2, l = alpha l + sum, the row's m and alpha from the same
- * maxima by the same update_max. Shared memory: the Q tile region of the split tiles holds this
- * kernel's (FewRows). */
+ * rescaled and V^T P^T issued; then, while it runs, the rows' sums of p in the prefill's order: lane l
+ * of warp w adds chain w of quad_part_sum for row l / 4 as the prefill's quad lane l % 4 would (its
+ * keys 8 j + 2 (l % 4) + e, j of one parity, e one element), and warp 0, a barrier later (the next
+ * block's turn, or after the last), adds the four chains as quad_part_sum does, the quad's parts over
+ * xor 1, xor 2, l = alpha l + sum, the row's m and alpha from the same maxima by the same update_max.
+ * Shared memory: the Q tile region of the split tiles holds this kernel's (FewRows). */
 template <int D>
 struct FewRows {
     static constexpr int ROWS = 8;
@@ -499,7 +507,8 @@ struct FewRows {
     static constexpr int P32_OFFSET = P_OFFSET + ROWS * FWD_KEYS * 2;
     static constexpr int P32_PITCH = FWD_KEYS + 4;
     static constexpr int MAX_OFFSET = P32_OFFSET + ROWS * P32_PITCH * 4; /* block maxima [warp][row] */
-    static constexpr int BYTES = MAX_OFFSET + 4 * ROWS * 4;
+    static constexpr int CHAIN_OFFSET = MAX_OFFSET + 4 * ROWS * 4; /* the row sums' chains [warp][lane] */
+    static constexpr int BYTES = CHAIN_OFFSET + 4 * 32 * 4;
     static_assert(P_OFFSET % TILE_ALIGN == 0, "P's tile is whole swizzle atoms");
 };
 
@@ -530,6 +539,7 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
     const int lane = tid & 31, warp = tid >> 5, quad = lane & 3;
     float *const p32 = (float *)(area_ptr + L::P32_OFFSET);
     float *const block_max = (float *)(area_ptr + L::MAX_OFFSET);
+    float *const chains = (float *)(area_ptr + L::CHAIN_OFFSET);
     const float c = p.scale_log2;
 
     /* decode (q_start and q_len null, the queries 0 .. max_q_len - 1 inside the storage): Q's rows are
@@ -568,7 +578,16 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
     float m[2] = {-INFINITY, -INFINITY};
     /* warp 0: the state of row lane / 4, whose sum this lane's quad adds */
     const int sum_row = lane >> 2;
-    float sum_row_m = -INFINITY, sum_row_l = 0.0f;
+    float sum_row_m = -INFINITY, sum_row_l = 0.0f, sum_row_alpha = 0.0f;
+    /* warp 0: the sum of the block whose chains the four warps stored last (a barrier since), l = alpha
+     * l + sum with that block's alpha */
+    auto finish_sum = [&](float block_alpha) {
+        const float chain[4] = {chains[lane], chains[32 + lane], chains[64 + lane], chains[96 + lane]};
+        float sum = quad_chains_sum(chain);
+#pragma unroll
+        for (int x = 1; x <= 2; x *= 2) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, x));
+        sum_row_l = __fmaf_rn(block_alpha, sum_row_l, sum);
+    };
 
     const SmemDesc k_desc = k_major_desc(kv_ring), v_desc = mn_major_desc<FWD_KEYS>(kv_ring);
     const SmemDesc q_desc = k_major_desc(area), p_desc = k_major_desc(area + L::P_OFFSET);
@@ -632,8 +651,8 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
         float ms_new[2], alpha[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) alpha[e] = update_max(m[e], row_max(2 * quad + e), c, ms_new[e]);
-        float sum_row_alpha = 0.0f;
         if (warp == 0) {
+            if (t > 0) finish_sum(sum_row_alpha);
             float unused;
             sum_row_alpha = update_max(sum_row_m, row_max(sum_row), c, unused);
         }
@@ -666,17 +685,16 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
                 wgmma_k16<L::ROWS, BF16, 1, 0>(acc[d], v_desc.at(stage_bytes(v_item) + d * FWD_KEYS * 128 + kt * 16 * 128),
                                                p_desc.at(k_major_step<L::ROWS * 128>(kt)), kt > 0 || t > 0);
         wgmma_commit();
-        if (warp == 0) {
-            const float *const row_p = p32 + sum_row * L::P32_PITCH + 2 * quad;
-            float sum = quad_part_sum<FWD_KEYS>([&](int j, int e) { return row_p[8 * j + e]; });
-#pragma unroll
-            for (int x = 1; x <= 2; x *= 2) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, x));
-            sum_row_l = __fmaf_rn(sum_row_alpha, sum_row_l, sum);
-        }
+        /* while V^T P^T runs: chain `warp` of block t's row sums (lane: row lane / 4 as quad lane
+         * lane % 4), which warp 0 adds after the next barrier */
+        const float *const row_p = p32 + sum_row * L::P32_PITCH + 2 * quad;
+        chains[warp * 32 + lane] = quad_part_chain<FWD_KEYS>(warp, [&](int j, int e) { return row_p[8 * j + e]; });
     }
     wgmma_wait<0>();
     fence_registers();
     ring.release(2 * blocks - 1, lane);
+    warpgroup_sync(1); /* the last block's chains */
+    if (warp == 0) finish_sum(sum_row_alpha);
 
     /* the records of the tile's rows */
     auto record = [&](int r) { return segment_record<D>(p, cta, cta.query_of(r), cta.head_of(r)); };
@@ -826,11 +844,13 @@ __device__ __forceinline__ void fwd_pipeline(const Params &p) {
             if (tile < 0) break;
             if constexpr (Tiles::PERSISTENT) fwd_cta<ROWS, SPLIT, FWD_KEYS>(p, tile, cta);
             const int blocks = __shfl_sync(0xffffffffu, cta.block_end - cta.block_begin, 0);
-            const int64_t thread_row =
-                cta.range.k_start + (cta.block_begin + issued / 2) * FWD_KEYS + ptid / (D / 8);
+            const int64_t thread_row = cta.range.k_start + cta.block_begin * FWD_KEYS + ptid / (D / 8);
             const int64_t thread_col = 8 * (ptid % (D / 8));
             const uint16_t *k_src = row_address(p.k, cta.b, thread_row, cta.kv_head) + thread_col;
             const uint16_t *v_src = row_address(p.v, cta.b, thread_row, cta.kv_head) + thread_col;
+            /* past the items copied early (items 0, 1: the first block's K, V) */
+            if (issued > 0) k_src += FWD_KEYS * p.k.row_stride;
+            if (issued > 1) v_src += FWD_KEYS * p.v.row_stride;
             /* item 2 j: K of block j, item 2 j + 1: its V */
             ring.produce(first, 2 * blocks, [&](int j, int s) {
                 const uint32_t dst = kv_ring + s * KV_BYTES;
