@@ -51,7 +51,9 @@
  *     runs: the segments of one (row tile, kv head, sequence) are one thread-block cluster, and its rank
  *     0 merges the rows with the combine kernel's combine_row once every rank's records are written
  *     (merge_in_cluster). A grid without clusters runs kv heads first, (row tile x kv head, segment,
- *     sequence) (FwdTiles::HEADS_FIRST), so that a wave's CTAs read whole rows of the cache.
+ *     sequence) (FwdTiles::HEADS_FIRST), so that a wave's CTAs read whole rows of the cache. Over a
+ *     cache (sequences starting at storage row 0) the producer copies its first block before the
+ *     sequence range has loaded (copy_first_block_early), and the few-row consumer its Q rows.
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
  *   When max_q_len * G <= 8 (decode with G <= 8) the split kernel's FEW_ROWS instantiation runs
