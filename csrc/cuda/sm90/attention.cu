@@ -53,7 +53,7 @@
  *     (merge_in_cluster). A grid without clusters runs kv heads first, (row tile x kv head, segment,
  *     sequence) (FwdTiles::HEADS_FIRST), so that a wave's CTAs read whole rows of the cache. Over a
  *     cache (sequences starting at storage row 0) the producer copies its first block before the
- *     sequence range has loaded (copy_first_block_early), and the few-row consumer its Q rows.
+ *     sequence range has loaded (copy_first_block_early).
  *   The launcher takes the split schedule when max_q_len * G <= 64 (decode, speculative or short
  *   chunks), the prefill schedule otherwise; rlk_attention_fwd_sm90_forced takes either on request.
  *   When max_q_len * G <= 8 (decode with G <= 8) the split kernel's FEW_ROWS instantiation runs
@@ -544,31 +544,15 @@ __device__ __forceinline__ void few_rows_consumer(const FwdParams &p, const Ring
     float *const chains = (float *)(area_ptr + L::CHAIN_OFFSET);
     const float c = p.scale_log2;
 
-    /* decode (q_start and q_len null, the queries 0 .. max_q_len - 1 inside the storage): Q's rows are
-     * copied before the sequence range has loaded, as copy_first_block_early does K and V; the range
-     * then only decides whether the tile runs */
-    const int tile = split_tile(p);
-    const bool early_q = !p.seq.q_start && !p.seq.q_len && p.seq.max_q_len <= p.seq.q_rows;
-    if (early_q) {
-        FwdCta rows;
-        tile_rows<SPLIT_ROWS, true>(p, tile, rows);
-        rows.range.q_start = 0;
-        rows.rows_in = min(SPLIT_ROWS, (int)p.seq.max_q_len * rows.rows_per_query - rows.row0);
-        load_few_q_rows<D>(area, p, rows, tid);
-        cp_async_commit();
-    }
+    /* Q's rows after the range, not with the producer's early first block: copied before it, they
+     * waited behind a full wave's first blocks (B = 1 over 8k +3%, docs/perf-notes.md) */
     FwdCta cta;
-    const bool has_tile = fwd_cta<SPLIT_ROWS, true, FWD_KEYS>(p, tile, cta);
+    const bool has_tile = fwd_cta<SPLIT_ROWS, true, FWD_KEYS>(p, split_tile(p), cta);
     range = cta.range;
     range_ok = cta.range_ok;
-    if (!has_tile) {
-        cp_async_wait<0>();
-        return;
-    }
-    if (!early_q) {
-        load_few_q_rows<D>(area, p, cta, tid);
-        cp_async_commit();
-    }
+    if (!has_tile) return;
+    load_few_q_rows<D>(area, p, cta, tid);
+    cp_async_commit();
     cp_async_wait<0>();
     fence_proxy_async_smem(); /* S^T reads Q from shared memory */
     warpgroup_sync(1);
