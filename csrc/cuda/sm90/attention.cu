@@ -456,7 +456,7 @@ __device__ __forceinline__ int copy_first_block_early(const FwdParams &p, uint32
     tile_rows<SPLIT_ROWS, true>(p, split_tile(p), cta);
     const int64_t row0 = (int64_t)cta.segment * SEGMENT;
     if (row0 + FWD_KEYS > p.seq.k_rows) return 0;
-    /* the range's entries asked for first: its load then does not queue behind these 4,096 copies */
+    /* the range's entries asked for first: its load then does not queue behind these copies */
     auto prefetch = [&](const int32_t *entries) {
         if (entries) asm volatile("prefetch.global.L1 [%0];" ::"l"(entries + cta.b));
     };
