@@ -160,24 +160,9 @@ __device__ __forceinline__ float update_max(float &m, float mx, float c, float &
 /* p of a masked score s: exp2(s c - ms_new) */
 __device__ __forceinline__ float score_p(float s, float c, float ms_new) { return exp2_approx(__fmaf_rn(s, c, -ms_new)); }
 
-/* One quad lane's part of a row's sum of p over a block: its KEYS / 4 values p(j, e) (column 8 j + 2
- * (lane % 4) + e) in four chains (column pair parity x element, so that the adds do not wait on each
- * other the whole block long), added pairwise. The row's sum adds the quad's parts, over the lanes
- * xor 1 and then xor 2, and l = alpha l + sum. */
-template <int KEYS, class P>
-__device__ __forceinline__ float quad_part_chain(int chain, P p);
-__device__ __forceinline__ float quad_chains_sum(const float (&chain)[4]) {
-    return __fadd_rn(__fadd_rn(chain[0], chain[1]), __fadd_rn(chain[2], chain[3]));
-}
-template <int KEYS, class P>
-__device__ __forceinline__ float quad_part_sum(P p) {
-    float chain[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) chain[c] = quad_part_chain<KEYS>(c, p);
-    return quad_chains_sum(chain);
-}
-/* Chain `chain` (2 (j & 1) + e) of quad_part_sum: its p(j, e) in increasing j. The sm90 few-row split
- * kernel runs the four on four warps. */
+/* Chain `chain` (2 (j & 1) + e) of quad_part_sum (below): its p(j, e) in increasing j; and the four
+ * chains added as quad_part_sum adds them. The sm90 few-row split kernel runs the four chains on four
+ * warps. */
 template <int KEYS, class P>
 __device__ __forceinline__ float quad_part_chain(int chain, P p) {
     const int e = chain & 1, j0 = chain >> 1;
@@ -185,6 +170,20 @@ __device__ __forceinline__ float quad_part_chain(int chain, P p) {
 #pragma unroll
     for (int i = 1; i < KEYS / 16; ++i) link = __fadd_rn(link, p(j0 + 2 * i, e));
     return link;
+}
+__device__ __forceinline__ float quad_chains_sum(const float (&chain)[4]) {
+    return __fadd_rn(__fadd_rn(chain[0], chain[1]), __fadd_rn(chain[2], chain[3]));
+}
+/* One quad lane's part of a row's sum of p over a block: its KEYS / 4 values p(j, e) (column 8 j + 2
+ * (lane % 4) + e) in four chains (column pair parity x element, so that the adds do not wait on each
+ * other the whole block long), added pairwise. The row's sum adds the quad's parts, over the lanes
+ * xor 1 and then xor 2, and l = alpha l + sum. */
+template <int KEYS, class P>
+__device__ __forceinline__ float quad_part_sum(P p) {
+    float chain[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) chain[c] = quad_part_chain<KEYS>(c, p);
+    return quad_chains_sum(chain);
 }
 
 /* The contract's update of a RowPair by one key block, after masking, the two rows side by side (their

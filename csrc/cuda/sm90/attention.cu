@@ -458,7 +458,7 @@ __device__ __forceinline__ int copy_first_block_early(const FwdParams &p, uint32
     if (row0 + FWD_KEYS > p.seq.k_rows) return 0;
     /* the range's entries asked for first: its load then does not queue behind these copies */
     auto prefetch = [&](const int32_t *entries) {
-        if (entries) asm volatile("prefetch.global.L1 [%0];" ::"l"(entries + cta.b));
+        if (entries) prefetch_l1(entries + cta.b);
     };
     prefetch(p.seq.q_start);
     prefetch(p.seq.q_len);
