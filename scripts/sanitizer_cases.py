@@ -54,6 +54,11 @@ def main():
         h, w = randn(1024, 5120).requires_grad_(), randn(16484, 5120).requires_grad_()
         t = torch.randint(0, 16484, (1024,), device="cuda", generator=gen)
         torch.autograd.grad(rl_kernels.linear_logp(h, w, t), (h, w), randn(1024, dtype=torch.float32))
+        # fp32 with a bias: sm90 runs it as bf16 parts over K = 6 D + 8 (D = 36: K not a multiple of 64),
+        # the bias's parts in the tail
+        h, w, b = randn(300, 36, dtype=torch.float32), randn(9000, 36, dtype=torch.float32), randn(9000, dtype=torch.float32)
+        t = torch.randint(0, 9000, (300,), device="cuda", generator=gen)
+        rl_kernels.linear_logp(h, w, t, b, return_entropy=True)
     if kernel_registry.backend_status("attention", "sm80")[0]:
         q = randn(2, 70, 4, 64).requires_grad_()
         k, v = randn(2, 70, 2, 64).requires_grad_(), randn(2, 70, 2, 64).requires_grad_()

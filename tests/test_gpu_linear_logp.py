@@ -255,7 +255,9 @@ def test_memory_stays_small_at_qwen3_head(n):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_fp32_inputs_take_the_exact_fp32_path(backend):
+def test_fp32_inputs_reach_fp32_accuracy(backend):
+    """fp32 never runs as TF32: sm80 on the FFMA GEMM, sm90 as bf16 parts (three per value, six
+    products, so one 16-bit product over K = 6 D + the bias's three)."""
     h, w, b, t = problem(700, 96, 9000, seed=60, bias=True)
     h, w, b = h.float(), w.float(), b.float()
     t[3] = -100
@@ -277,3 +279,30 @@ def test_fp32_inputs_take_the_exact_fp32_path(backend):
     ref = rl_kernels.NativeLinearLogpOp(torch.float64)(x64, w.double(), t[:50], b.double())
     grad64, = torch.autograd.grad(ref, x64, g.double())
     assert rel_err(grad, grad64) <= 1e-5
+
+
+@pytest.mark.skipif(not (HAS_CUDA and kernel_registry.backend_status("linear_logp", "sm90")[0]),
+                    reason="sm90 not usable")
+def test_fp32_parts_in_row_blocks_and_vocabulary_chunks():
+    """sm90's fp32 forward at D = 2048 holds hidden's parts for blocks of up to 5457 rows and weight's
+    for chunks of whole splits in the rest of 256 MB: 6000 rows run as two blocks of 3000, V = 12000
+    as chunks of 7680 and 4320 columns (17 rows: 10752 and 1248). Every row's results equal those
+    of the same row alone or among a few, and its error against fp64 stays within fp32's."""
+    n, d, v = 6000, 2048, 12000
+    h = cuda_randn(n, d, dtype=torch.float32, seed=90)
+    w = cuda_randn(v, d, dtype=torch.float32, seed=91, scale=d ** -0.5 * 2)
+    b = cuda_randn(v, dtype=torch.float32, seed=92)
+    t = torch.randint(0, v, (n,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(93))
+    t[5] = -100
+    t[4000] = 7680 + 7  # the last chunk, and rows of the second block
+    t[4001] = 7679
+    logp, ent = rl_kernels.linear_logp(h, w, t, b, return_entropy=True, backend="sm90")
+    assert kernel_registry.last_kernel() == "linear_logp_fwd_fp32_sm90"
+    for rows in (slice(0, 1), slice(3, 20), slice(2990, 3010), slice(3999, 4130), slice(5999, 6000)):
+        part, part_ent = rl_kernels.linear_logp(h[rows], w, t[rows], b, return_entropy=True, backend="sm90")
+        assert torch.equal(part, logp[rows]) and torch.equal(part_ent, ent[rows]), rows
+    check = torch.cat([torch.arange(0, 64), torch.arange(3990, 4010), torch.arange(5936, 6000)]).cuda()
+    ref_logp, ref_ent = fp64_reference(h.double(), w.double(), t, b.double(), rows=check)
+    assert (logp[check].double() - ref_logp).abs().max() <= 1e-5
+    assert (ent[check].double() - ref_ent).abs().max() <= 1e-5
+    assert logp[5] == 0 and ent[5] == 0

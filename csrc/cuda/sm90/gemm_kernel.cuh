@@ -686,8 +686,8 @@ __host__ __device__ __forceinline__ int stage_slices(int kt, int k_end) {
  * CHAIN = c > 0 (linear_logp, one slice a stage): every c consecutive 64-wide k-slices form a fresh
  * wgmma chain from zero, added into d with a round-to-nearest fp32 FADD. The tensor cores' accumulator
  * adds truncate, which over one 4096-long chain gave 3.2e-4 logp error at logits up to ~50
- * (docs/perf-notes.md); chains of 1, 2 or 4 slices gave ~2e-5, and 4 hides the FADDs (a chain per slice
- * cost 25% of the time). Every order here depends on K alone. */
+ * (docs/perf-notes.md); chains of 1, 2 or 4 slices gave ~2e-5, 8 (linear_logp's) 3.1e-5 and 2-3% less
+ * time than 4 (a chain per slice cost 25%). Every order here depends on K alone. */
 template <int BN, int CONSUMERS, int A_ROWS, int STAGES, int SLICES, int CLUSTER, bool A_MN, bool B_MN, bool BF16,
           int CHAIN>
 __device__ __forceinline__ void mma_tile(float (&d)[BN / 2], int k_begin, int k_end, int &it, uint32_t a_rows,
@@ -940,19 +940,24 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                 Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_unit * BN, p, ep, store);
             } else {
                 /* stream-K slots as above, holding the unit's state: a piece that starts inside the unit
-                 * continues the state the previous cluster's piece handed over; one that ends before the
+                 * continues the state the previous cluster's piece handed over, taken over after its first
+                 * tile's k loop (waiting before it ran the pieces of a unit one after another), or at once
+                 * when the piece holds only tiles past the vocabulary's last; one that ends before the
                  * unit does hands its state to the next cluster */
                 constexpr int SLOT_FLOATS = 64 * stream_k_slot_bn<BN, Epilogue>();
                 const int slot = (int)blockIdx.x * CONSUMERS + c;
-                if constexpr (STREAM_K)
-                    if (tile_begin > 0)
-                        Epilogue::take_over(unit, p.partials + (int64_t)slot * SLOT_FLOATS, p.partial_ready + slot, 1u + c);
+                bool to_take_over = STREAM_K && tile_begin > 0;
                 const int n_end = min(n_unit * TILES_PER_UNIT + tile_end, p.col_tiles);
                 for (int n_blk = n_unit * TILES_PER_UNIT + tile_begin; n_blk < n_end; ++n_blk) {
                     mma_tile<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue::CHAIN>(
                         d, 0, p.k_tiles, it, a_rows, b_smem, full_bar, empty_bar, cta_rank);
+                    if (to_take_over)
+                        Epilogue::take_over(unit, p.partials + (int64_t)slot * SLOT_FLOATS, p.partial_ready + slot, 1u + c);
+                    to_take_over = false;
                     Epilogue::template tile<BN, BF16, TMA_EPILOGUE>(d, unit, row0, n_blk * BN, p, ep, store);
                 }
+                if (to_take_over)
+                    Epilogue::take_over(unit, p.partials + (int64_t)slot * SLOT_FLOATS, p.partial_ready + slot, 1u + c);
                 if constexpr (STREAM_K) {
                     if (tile_end < TILES_PER_UNIT) {
                         const int next = slot + CLUSTER * CONSUMERS;

@@ -2,7 +2,7 @@
  * wgmma main loop of gemm_kernel.cuh.
  *
  * Forward (linear_logp_fwd): the product hidden [N, D] @ weight[V, D]^T on 128 x 192 tiles (2 consumers,
- * 5 stages, 2-CTA clusters with B multicast), each k-slice group of LOGP_CHAIN = 4 (256 of D) a fresh
+ * 5 stages, 2-CTA clusters with B multicast), each k-slice group of LOGP_CHAIN = 8 (512 of D) a fresh
  * wgmma chain added into the logits with an fp32 FADD (mma_tile: the tensor cores' accumulator adds
  * truncate, 3.2e-4 logp error over D = 4096 with one long chain, 2e-5 with these). A work unit is
  * (128-row tile, vocabulary split of LOGP_SPLIT_COLS = 768 columns = 4 tiles walked in increasing
@@ -25,8 +25,12 @@
  * of N = 1, 3, 17, 129, 1000 and shifted rows vs N = 4096; at V = 32768, where N = 300 to 1024 share their
  * last units differently, N = 1 .. 1000 vs 1024; fused dz vs the SM90 GEMM followed by the elementwise dz).
  *
- * Limits (-> RLK_UNSUPPORTED, sm80 runs): bf16/fp16 only; operands TMA cannot describe; the
- * forward also needs D a multiple of 8.
+ * fp32 forward: hidden and weight as three bf16 parts each (fp32_parts), so that the same kernel folds
+ * one bf16 product over K = 6 D + tail that equals the fp32 one to below fp32's rounding (see "fp32
+ * inputs" below); per block of rows and vocabulary chunk, within FP32_PARTS_BYTES of workspace.
+ *
+ * Limits (-> RLK_UNSUPPORTED, sm80 runs): the forward takes bf16 / fp16 with D a multiple of 8, or fp32;
+ * dz takes bf16 / fp16; 16-bit operands TMA cannot describe.
  *
  * Build: as sm90/gemm.cu (python3 csrc/cuda/sm90/wgmma_gen.py build/gen; nvcc ... -Ibuild/gen
  *        csrc/cuda/sm90/linear_logp.cu). Test: pytest tests/test_gpu_linear_logp.py -m gpu.
@@ -35,7 +39,7 @@
 #include "../linear_logp.cuh"
 #include "gemm_kernel.cuh"
 
-#define LOGP_CHAIN 4 /* forward: k-slices per fresh wgmma chain (see mma_tile) */
+#define LOGP_CHAIN 8 /* forward: k-slices per fresh wgmma chain (see mma_tile) */
 
 /* The linear_logp kernels' row data: the product is hidden [N, D] @ weight[V, D]^T (M = N rows, N = V
  * columns, K = D), or a vocabulary chunk of it starting at column v0 (the backward's dz). */
@@ -100,7 +104,7 @@ __device__ __forceinline__ void logp_states_init(logp_row_states &st, int row0, 
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + 16 * (t / 32) + (t % 32) / 4 + 8 * h;
         const int64_t target = row < p.M ? lp.target[row] : -1;
-        st.target_col[h] = (target >= 0 && target < p.N) ? (int)target : -1;
+        st.target_col[h] = (target >= lp.v0 && target < lp.v0 + p.N) ? (int)(target - lp.v0) : -1;
         st.m[h] = LOGP_EMPTY_MAX;
         st.l[h] = st.S[h] = st.x_target[h] = 0.f;
     }
@@ -244,50 +248,182 @@ static rlk_gemm_args product_args(const void *hidden, int64_t ldh, const void *w
     return g;
 }
 
-/* 128 x 192 tiles, 2-CTA clusters, 5 stages: the fresh k-slice chains need a second set of accumulator
- * registers, which the 128 x 256 config cannot afford; at 192 both sets (2 x 96) fit under the consumers'
- * setmaxnreg 232, and a wider tile needs less shared-memory bandwidth per FLOP than 128 x 128
- * (docs/perf-notes.md, "linear_logp forward on SM90"). ptxas spills ~40 values around the fold with a bias or
- * columns past V, after the k loop; the fold without them (fold_logits_tile's common case) spills none.
- * 4 tiles per vocabulary split. */
+/* The fold of hidden [rows, D] @ weight[cols, D]^T (16-bit, bias [cols] or NULL) into the partial states
+ * of its ceil(cols / LOGP_SPLIT_COLS) splits, partials[split * rows + row]; the targets count from
+ * vocabulary column v0 (a multiple of LOGP_SPLIT_COLS, so the splits are the whole vocabulary's). 128 x 192
+ * tiles, 2-CTA clusters, 5 stages: the fresh k-slice chains need a second set of accumulator registers,
+ * which the 128 x 256 config cannot afford; at 192 both sets (2 x 96) fit under the consumers' setmaxnreg
+ * 232, and a wider tile needs less shared-memory bandwidth per FLOP than 128 x 128 (docs/perf-notes.md,
+ * "linear_logp forward on SM90"). ptxas spills ~40 values around the fold with a bias or columns past V,
+ * after the k loop; the fold without them (fold_logits_tile's common case) spills none. 4 tiles per
+ * vocabulary split. slots: stream_k_workspace_bytes(logp_fold<192>::STATE_BN, 2, num_sms). */
+static int launch_logp_fold(const void *hidden, int64_t ldh, const void *weight, int64_t ldw, int64_t rows,
+                            int64_t cols, int64_t D, bool bf16, const void *bias, const int64_t *target, int64_t v0,
+                            float inv_temperature, float4 *partials, float *slots, int device, int num_sms,
+                            cudaStream_t s) {
+    const rlk_gemm_args g = product_args(hidden, ldh, weight, ldw, rows, cols, D, bf16 ? RLK_BF16 : RLK_F16, RLK_F32);
+    gemm_sm90_params p = gemm_params(&g);
+    p.stream_k = 1; /* when the last round of units is partly empty (launch_gemm_sm90) */
+    p.partials = slots;
+    logp_sm90_params lp;
+    memset(&lp, 0, sizeof(lp));
+    lp.bias = bias;
+    lp.target = target;
+    lp.v0 = v0;
+    lp.partials = partials;
+    lp.scale_log2 = inv_temperature * LOG2E;
+    /* launch_gemm_sm90<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue> */
+    return bf16 ? launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, true, logp_fold<192>>(&g, p, lp, device, num_sms, s)
+                : launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, false, logp_fold<192>>(&g, p, lp, device, num_sms,
+                                                                                             s);
+}
+
+/* ------------------------------ fp32 inputs: three bf16 parts each ------------------------------ */
+/* An fp32 x is hi + mid + lo exactly (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid), round to
+ * nearest; the subtractions are exact, and three 8-bit parts cover fp32's 24). The product of two fp32
+ * values is then the sum of six exact bf16 products, leaving out mid lo, lo mid and lo lo (below 2^-24 of
+ * |x y| together, less than fp32's own rounding of x y):
+ *   x y ~ lo_x hi_y + hi_x lo_y + mid_x mid_y + mid_x hi_y + hi_x mid_y + hi_x hi_y,
+ * smallest first. So hidden @ weight^T is one 16-bit product over K = 6 D + tail: hidden's parts in the
+ * blocks of fp32_block_part, each D long, and with a bias the tail
+ * [1, 1, 1] x [lo, mid, hi of bias], padded with zeros to a multiple of 8. The logits are the bf16
+ * forward's fold over it (fresh 512-long wgmma chains added in fp32), never TF32; docs/operators/
+ * linear_logp.md gives the error against fp64 beside the fp32 FFMA path's. */
+#define FP32_BLOCKS 6
+#define FP32_PARTS_BYTES (256ll << 20) /* hidden's parts of a row block (half at most) + weight's of a chunk */
+/* The part (0 hi, 1 mid, 2 lo) in block b of a row of weight's parts {hi, lo, mid, hi, mid, hi} or of
+ * hidden's {lo, hi, mid, mid, hi, hi}. */
+__host__ __device__ constexpr int fp32_block_part(bool weight, int b) {
+    return weight ? (b == 1 ? 2 : b == 2 || b == 4 ? 1 : 0) : (b == 0 ? 2 : b == 2 || b == 3 ? 1 : 0);
+}
+
+static int64_t fp32_parts_k(int64_t D, bool bias) { return (FP32_BLOCKS * D + (bias ? 3 : 0) + 7) / 8 * 8; }
+
+__device__ __forceinline__ void fp32_parts(float x, __nv_bfloat16 (&part)[3]) {
+    part[0] = __float2bfloat16_rn(x);
+    const float r = __fsub_rn(x, __bfloat162float(part[0]));
+    part[1] = __float2bfloat16_rn(r);
+    part[2] = __float2bfloat16_rn(__fsub_rn(r, __bfloat162float(part[1])));
+}
+
+/* One block per row: x [rows, D] (row stride ld) -> parts [rows, K] (fp32_parts_k). The tail: hidden's
+ * [1, 1, 1] (bias given), weight's [lo, mid, hi] of bias[row], then zeros. */
+template <bool WEIGHT>
+__global__ void fp32_parts_kernel(const float *__restrict__ x, int64_t ld, int64_t D, int64_t K,
+                                  const float *__restrict__ bias, __nv_bfloat16 *__restrict__ parts) {
+    const int64_t row = blockIdx.x;
+    const float *xr = x + row * ld;
+    __nv_bfloat16 *out = parts + row * K;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+        __nv_bfloat16 part[3];
+        fp32_parts(xr[d], part);
+#pragma unroll
+        for (int b = 0; b < FP32_BLOCKS; ++b) out[b * D + d] = part[fp32_block_part(WEIGHT, b)];
+    }
+    for (int64_t k = FP32_BLOCKS * D + threadIdx.x; k < K; k += blockDim.x) {
+        const int64_t i = k - FP32_BLOCKS * D;
+        __nv_bfloat16 v = __float2bfloat16_rn(0.f);
+        if (bias != nullptr && i < 3) {
+            __nv_bfloat16 part[3];
+            fp32_parts(bias[row], part);
+            v = WEIGHT ? part[2 - i] : __float2bfloat16_rn(1.f);
+        }
+        out[k] = v;
+    }
+}
+
+/* The fp32 forward's plan: equal blocks of rows, as few as keep hidden's parts within half of
+ * FP32_PARTS_BYTES, and chunks of as many whole splits as weight's parts fit in the rest (wide chunks:
+ * each is one launch, whose last round of units is partly empty). */
+typedef struct fp32_plan {
+    int64_t K, block_rows, chunk_cols;
+    int64_t partial_bytes, slot_bytes, hidden_bytes, weight_bytes;
+} fp32_plan;
+
+static fp32_plan plan_fp32(const rlk_linear_logp_args *args, int num_sms) {
+    fp32_plan f;
+    f.K = fp32_parts_k(args->D, args->bias != nullptr);
+    const int64_t row_bytes = 2 * f.K, max_rows = FP32_PARTS_BYTES / 2 / row_bytes < 128 ? 128 : FP32_PARTS_BYTES / 2 / row_bytes;
+    const int64_t blocks = (args->N + max_rows - 1) / max_rows;
+    f.block_rows = (args->N + blocks - 1) / blocks;
+    const int64_t splits = (FP32_PARTS_BYTES - f.block_rows * row_bytes) / row_bytes / LOGP_SPLIT_COLS;
+    f.chunk_cols = (splits < 1 ? 1 : splits) * LOGP_SPLIT_COLS;
+    if (f.chunk_cols > args->V) f.chunk_cols = args->V;
+    f.partial_bytes = (logp_splits(args->V) * f.block_rows * (int64_t)sizeof(float4) + 255) / 256 * 256;
+    f.slot_bytes = (stream_k_workspace_bytes(logp_fold<192>::STATE_BN, 2, num_sms) + 255) / 256 * 256;
+    f.hidden_bytes = (f.block_rows * row_bytes + 255) / 256 * 256;
+    f.weight_bytes = f.chunk_cols * row_bytes;
+    return f;
+}
+
+static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, rlk_context *ctx, int device, int num_sms) {
+    const fp32_plan f = plan_fp32(args, num_sms);
+    if (ctx->plan_only) {
+        ctx->workspace_bytes = f.partial_bytes + f.slot_bytes + f.hidden_bytes + f.weight_bytes;
+        return RLK_OK;
+    }
+    char *ws = (char *)args->workspace;
+    float4 *partials = (float4 *)ws;
+    float *slots = (float *)(ws + f.partial_bytes);
+    __nv_bfloat16 *hidden_parts = (__nv_bfloat16 *)(ws + f.partial_bytes + f.slot_bytes);
+    __nv_bfloat16 *weight_parts = (__nv_bfloat16 *)(ws + f.partial_bytes + f.slot_bytes + f.hidden_bytes);
+    const float *hidden = (const float *)args->hidden, *weight = (const float *)args->weight;
+    const float *bias = (const float *)args->bias;
+    const cudaStream_t s = (cudaStream_t)ctx->stream;
+    for (int64_t r0 = 0; r0 < args->N; r0 += f.block_rows) {
+        const int64_t rows = args->N - r0 < f.block_rows ? args->N - r0 : f.block_rows;
+        fp32_parts_kernel<false><<<(unsigned)rows, 256, 0, s>>>(hidden + r0 * args->ldh, args->ldh, args->D, f.K,
+                                                                 bias, hidden_parts);
+        for (int64_t v0 = 0; v0 < args->V; v0 += f.chunk_cols) {
+            const int64_t cols = args->V - v0 < f.chunk_cols ? args->V - v0 : f.chunk_cols;
+            fp32_parts_kernel<true><<<(unsigned)cols, 256, 0, s>>>(weight + v0 * args->ldw, args->ldw, args->D, f.K,
+                                                                    bias != nullptr ? bias + v0 : nullptr,
+                                                                    weight_parts);
+            const cudaError_t err = cudaGetLastError();
+            if (err != cudaSuccess) return (int)err;
+            const int rc = launch_logp_fold(hidden_parts, f.K, weight_parts, f.K, rows, cols, f.K, true, nullptr,
+                                            args->target + r0, v0, args->inv_temperature,
+                                            partials + v0 / LOGP_SPLIT_COLS * rows, slots, device, num_sms, s);
+            if (rc != RLK_OK) return rc;
+        }
+        rlk_linear_logp_args block = *args;
+        block.N = rows;
+        block.target = args->target + r0;
+        block.logp = args->logp + r0;
+        block.entropy = args->entropy != nullptr ? args->entropy + r0 : nullptr;
+        block.lse = args->lse + r0;
+        const int rc = launch_linear_logp_merge(&block, partials, s);
+        if (rc != RLK_OK) return rc;
+    }
+    return RLK_OK;
+}
+
 extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_context *ctx) {
-    const bool bf16 = args->dtype == RLK_BF16;
-    if (!bf16 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
-    if (args->D <= 0 || args->D % 8 != 0 || args->D >= INT32_MAX || args->N >= INT32_MAX ||
-        args->V >= INT32_MAX - LOGP_SPLIT_COLS)
+    const bool bf16 = args->dtype == RLK_BF16, fp32 = args->dtype == RLK_F32;
+    if (!bf16 && !fp32 && args->dtype != RLK_F16) return RLK_UNSUPPORTED;
+    if (args->D <= 0 || (!fp32 && args->D % 8 != 0) || args->D >= INT32_MAX / (fp32 ? 8 : 1) ||
+        args->N >= INT32_MAX || args->V >= INT32_MAX - LOGP_SPLIT_COLS)
         return RLK_UNSUPPORTED;
-    if (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)) return RLK_UNSUPPORTED;
-    ctx->kernel = "linear_logp_fwd_sm90";
+    if (!fp32 && (!tma_operand_ok(args->hidden, args->ldh) || !tma_operand_ok(args->weight, args->ldw)))
+        return RLK_UNSUPPORTED;
+    ctx->kernel = fp32 ? "linear_logp_fwd_fp32_sm90" : "linear_logp_fwd_sm90";
     int device, num_sms;
     const cudaError_t err = current_device(&device, &num_sms);
     if (err != cudaSuccess) return (int)err;
+    if (fp32) return linear_logp_fwd_fp32(args, ctx, device, num_sms);
     /* workspace: the splits' partial states, then stream-K's hand-over slots (logp_fold) */
     const int64_t partial_bytes = logp_splits(args->V) * args->N * (int64_t)sizeof(float4);
     if (ctx->plan_only) {
         ctx->workspace_bytes = partial_bytes + stream_k_workspace_bytes(logp_fold<192>::STATE_BN, 2, num_sms);
         return RLK_OK;
     }
-
-    const rlk_gemm_args g =
-        product_args(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, args->dtype, RLK_F32);
-    gemm_sm90_params p = gemm_params(&g);
-    p.stream_k = 1; /* when the last round of units is partly empty (launch_gemm_sm90) */
-    p.partials = (float *)((char *)args->workspace + partial_bytes);
-    logp_sm90_params lp;
-    memset(&lp, 0, sizeof(lp));
-    lp.bias = args->bias;
-    lp.target = args->target;
-    lp.partials = (float4 *)args->workspace;
-    lp.scale_log2 = args->inv_temperature * LOG2E;
-
+    float4 *partials = (float4 *)args->workspace;
     const cudaStream_t s = (cudaStream_t)ctx->stream;
-    /* launch_gemm_sm90<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue> */
-    const int rc = bf16 ? launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, true, logp_fold<192>>(
-                              &g, p, lp, device, num_sms, s)
-                        : launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, false, logp_fold<192>>(
-                              &g, p, lp, device, num_sms, s);
+    const int rc = launch_logp_fold(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, bf16,
+                                    args->bias, args->target, 0, args->inv_temperature, partials,
+                                    (float *)((char *)args->workspace + partial_bytes), device, num_sms, s);
     if (rc != RLK_OK) return rc;
-    return launch_linear_logp_merge(args, lp.partials, s);
+    return launch_linear_logp_merge(args, partials, s);
 }
 
 /* The large tile config's main loop (the GEMM's z, bitwise) with the dlogits epilogue: z of the chunk never
