@@ -59,6 +59,11 @@ def main():
         h, w, b = randn(300, 36, dtype=torch.float32), randn(9000, 36, dtype=torch.float32), randn(9000, dtype=torch.float32)
         t = torch.randint(0, 9000, (300,), device="cuda", generator=gen)
         rl_kernels.linear_logp(h, w, t, b, return_entropy=True)
+        # and its backward on bf16 planes (sm90): D = 36 (rows of 40 in the planes), 300 rows, one
+        # vocabulary chunk of 9000 columns (a partial last tile of 192 and of 128), stream-K by chains
+        h, w, b = (x.requires_grad_() for x in (h, w, b))
+        logp, ent = rl_kernels.linear_logp(h, w, t, b, return_entropy=True)
+        torch.autograd.grad((logp, ent), (h, w, b), (randn(300, dtype=torch.float32), randn(300, dtype=torch.float32)))
     if kernel_registry.backend_status("attention", "sm80")[0]:
         q = randn(2, 70, 4, 64).requires_grad_()
         k, v = randn(2, 70, 2, 64).requires_grad_(), randn(2, 70, 2, 64).requires_grad_()

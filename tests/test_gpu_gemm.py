@@ -240,6 +240,20 @@ def test_wide_tiles_every_layout_and_output_bitwise(backend, dtype, out_dtype):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_wide_tiles_with_c(backend):
+    """addmm with a full C at the 192-wide tiles' shapes (k / v, 2555 rows): the epilogue loads C in
+    batches that must divide the tile's 24 column groups; against fp64, and row prefixes bitwise."""
+    w = cuda_randn(1024, 4096, seed=35, scale=1 / 64)
+    a = cuda_randn(2555, 4096, seed=36)
+    c = cuda_randn(2555, 1024, seed=37)
+    out = rl_kernels.addmm(c, a, w.t(), beta=0.5, backend=backend)
+    ref = 0.5 * c.double() + a.double() @ w.double().t()
+    assert rel_err(out, ref) <= 1e-2
+    for m in (1, 129, 2049):
+        assert torch.equal(rl_kernels.addmm(c[:m], a[:m], w.t(), beta=0.5, backend=backend), out[:m])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_layouts_and_misaligned_operands(backend):
     a = cuda_randn(300, 1024, seed=8)
     w = cuda_randn(512, 1024, seed=9, scale=1 / 32)

@@ -283,6 +283,48 @@ def test_fp32_inputs_reach_fp32_accuracy(backend):
 
 @pytest.mark.skipif(not (HAS_CUDA and kernel_registry.backend_status("linear_logp", "sm90")[0]),
                     reason="sm90 not usable")
+def test_fp32_backward_on_bf16_parts():
+    """sm90's fp32 backward runs its three products on bf16 parts (linear_logp_bwd_fp32_sm90): at D =
+    2048, V = 9000 in two vocabulary chunks (8064 + 936 columns) and, for 3000 rows within the 240 MB
+    budget, three blocks of 1024 rows. Gradients of logp . g + entropy . g' (random cotangents, a bias,
+    temperature 0.8, an ignored row) against fp64 within fp32's error and memory within 256 MB; a row's
+    dH bitwise the same alone, among a few or across a block boundary; the whole backward repeatable."""
+    n, d, v = 3000, 2048, 9000
+    h = cuda_randn(n, d, dtype=torch.float32, seed=100)
+    w = cuda_randn(v, d, dtype=torch.float32, seed=101, scale=d ** -0.5 * 2)
+    b = cuda_randn(v, dtype=torch.float32, seed=102)
+    t = torch.randint(0, v, (n,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(103))
+    t[7] = -100
+    t[8] = 8064  # the second chunk's first column
+    g_logp = cuda_randn(n, dtype=torch.float32, seed=104)
+    g_ent = cuda_randn(n, dtype=torch.float32, seed=105)
+    ours = functools.partial(rl_kernels.linear_logp, backend="sm90", temperature=0.8)
+    got = autograd_grads(h, w, b, t, g_logp, g_ent, ours)
+    # the backward op on this thread (autograd's runs on its own, where last_kernel() is its own)
+    _, ent, lse = torch.ops.rl_kernels.linear_logp(h, w, b, t, 0.8, -100, "sm90")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    direct = torch.ops.rl_kernels.linear_logp_backward(h, w, b, t, lse, ent, g_logp, g_ent, 0.8, -100, "sm90")
+    assert kernel_registry.last_kernel() == "linear_logp_bwd_fp32_sm90"
+    extra = (torch.cuda.max_memory_allocated() - base) / 2**20 - (h.numel() + w.numel() + b.numel()) * 4 / 2**20
+    assert extra <= 256, f"backward used {extra:.0f} MB beyond the gradients"
+    for x, y in zip(direct, got):
+        assert torch.equal(x, y)
+    want = autograd_grads(h.double(), w.double(), b.double(), t, g_logp, g_ent,
+                          functools.partial(rl_kernels.NativeLinearLogpOp(torch.float64), temperature=0.8))
+    for name, x, ref in zip(("hidden", "weight", "bias"), got, want):
+        assert rel_err(x, ref) <= 1e-5, name
+    assert (got[0][7] == 0).all()
+    for x, y in zip(got, autograd_grads(h, w, b, t, g_logp, g_ent, ours)):
+        assert torch.equal(x, y)
+    for rows in (slice(0, 1), slice(100, 117), slice(1020, 1030), slice(2990, 3000)):
+        part = autograd_grads(h[rows], w, b, t[rows], g_logp[rows], g_ent[rows], ours)
+        assert torch.equal(part[0], got[0][rows]), rows
+
+
+@pytest.mark.skipif(not (HAS_CUDA and kernel_registry.backend_status("linear_logp", "sm90")[0]),
+                    reason="sm90 not usable")
 def test_fp32_parts_in_row_blocks_and_vocabulary_chunks():
     """sm90's fp32 forward at D = 2048 holds hidden's parts for blocks of up to 5457 rows and weight's
     for chunks of whole splits in the rest of 256 MB: 6000 rows run as two blocks of 3000, V = 12000

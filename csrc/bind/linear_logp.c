@@ -1,7 +1,8 @@
 /* bind/linear_logp.c: _C.linear_logp_fwd, _C.linear_logp_bwd and the backward's two dz forms
  * (contract: csrc/ops/linear_logp.h; math: docs/operators/linear_logp.md).
  *
- * The backward runs here, in C, as one call per row block: it walks the vocabulary in chunks of
+ * The backward runs here, in C, unless the backend runs it whole (entry linear_logp_bwd: sm90 with fp32
+ * inputs, every product on bf16 parts), as one call per row block: it walks the vocabulary in chunks of
  * vocab_chunk columns (a constant of the caller, so a row's dH sums the same chunks in the same
  * order for every N) and, per chunk, forms dz (the fused linear_logp_dlogits kernel where the
  * backend has one for these operands, else a GEMM into fp32 logits and linear_logp_dz), then
@@ -19,6 +20,7 @@ RLK_DEFINE_CALLER(convert, rlk_convert_args)
 RLK_DEFINE_CALLER(linear_logp_fwd, rlk_linear_logp_args)
 RLK_DEFINE_CALLER(linear_logp_dz, rlk_linear_logp_dlogits_args)
 RLK_DEFINE_CALLER(linear_logp_dlogits, rlk_linear_logp_dlogits_args)
+RLK_DEFINE_CALLER(linear_logp_bwd, rlk_linear_logp_bwd_args)
 
 /* hidden [N, D], weight [V, D] (rows contiguous, one float dtype), bias [V] or None, target int64 [N]. */
 static int prepare_linear_logp(tensor_arg *hidden, tensor_arg *weight, tensor_arg *bias,
@@ -394,7 +396,25 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
     PyObject *workspace = NULL, *gemm_workspace = NULL, *copies[2] = {NULL, NULL};
     rlk_context ctx = rlk_context_for(backend, stream);
     ok = ok && (p.N == 0 || align_operands(&t[HIDDEN], &t[WEIGHT], &p, &ctx, copies) == 0);
+    int whole = 0; /* the backend ran the whole backward itself */
     if (ok && p.N > 0) {
+        rlk_linear_logp_bwd_args b = {
+            .N = p.N, .D = p.D, .V = p.V, .dtype = p.dtype, .hidden = p.hidden, .weight = p.weight, .bias = p.bias,
+            .ldh = p.ldh, .ldw = p.ldw, .target = p.target, .ignore_index = ignore_index,
+            .inv_temperature = (float)inv_temperature, .lse = (const float *)t[ROWS + ROW_LSE].data,
+            .entropy = t[ROWS + ROW_ENTROPY].present ? (const float *)t[ROWS + ROW_ENTROPY].data : NULL,
+            .grad_logp = t[ROWS + ROW_GRAD_LOGP].present ? (const float *)t[ROWS + ROW_GRAD_LOGP].data : NULL,
+            .grad_entropy = t[ROWS + ROW_GRAD_ENTROPY].present ? (const float *)t[ROWS + ROW_GRAD_ENTROPY].data : NULL,
+            .grad_hidden = t[GRAD_HIDDEN].data, .grad_weight = t[GRAD_WEIGHT].data,
+            .ld_grad_hidden = rlk_row_stride(&t[GRAD_HIDDEN]), .ld_grad_weight = rlk_row_stride(&t[GRAD_WEIGHT]),
+            .grad_bias = t[GRAD_BIAS].present ? (float *)t[GRAD_BIAS].data : NULL,
+            .max_workspace_bytes = max_workspace_bytes};
+        const int status = rlk_run_planned("linear_logp_bwd", backend, &t[HIDDEN], call_linear_logp_bwd, &b,
+                                           &b.workspace, &ctx);
+        whole = status != RLK_UNSUPPORTED;
+        if (whole) ok = rlk_raise_for_status(status, "linear_logp backward") == 0;
+    }
+    if (ok && p.N > 0 && !whole) {
         const int64_t N = p.N, D = p.D, V = p.V, chunk = V < vocab_chunk ? V : vocab_chunk;
         const int64_t elem = (int64_t)rlk_dtype_size(dtype);
         /* does the backend form dz in one kernel for these operands? (then no fp32 logits are needed) */

@@ -24,6 +24,14 @@
  * target, lse, entropy, grad_logp, grad_entropy point at the chunk's first row ([rows] each);
  * grad_logp or grad_entropy may be NULL (zero); entropy may be NULL when grad_entropy is.
  * dlogits has the inputs' dtype, row stride ld_dlogits.
+ *
+ * entry linear_logp_bwd: the whole backward in one call, for a backend that runs it its own way (sm90's
+ * fp32 inputs: every product on bf16 parts); csrc/bind/linear_logp.c asks it first and walks the chunks
+ * itself where it answers RLK_UNSUPPORTED. The same gradients as the chunk walk: grad_hidden [N, D] and
+ * grad_weight [V, D] (row strides ld_grad_hidden, ld_grad_weight, inputs' dtype) written, grad_bias fp32
+ * [V] (zeros on entry) accumulated into, or NULL without a bias. dH rows depend on their own row only;
+ * its vocabulary chunks are a function of D and V. Scratch memory at most max_workspace_bytes (plan_only
+ * reports it; RLK_UNSUPPORTED when no plan fits).
  */
 #ifndef RLK_OPS_LINEAR_LOGP_H_
 #define RLK_OPS_LINEAR_LOGP_H_
@@ -65,9 +73,26 @@ typedef struct rlk_linear_logp_dlogits_args {
     int64_t ld_dlogits;
 } rlk_linear_logp_dlogits_args;
 
+typedef struct rlk_linear_logp_bwd_args {
+    int64_t N, D, V;
+    rlk_dtype dtype;
+    const void *hidden, *weight, *bias;
+    int64_t ldh, ldw;
+    const int64_t *target;
+    int64_t ignore_index;
+    float inv_temperature;
+    const float *lse, *entropy, *grad_logp, *grad_entropy; /* [N]; as rlk_linear_logp_dlogits_args */
+    void *grad_hidden, *grad_weight;
+    int64_t ld_grad_hidden, ld_grad_weight;
+    float *grad_bias;
+    int64_t max_workspace_bytes;
+    void *workspace;
+} rlk_linear_logp_bwd_args;
+
 typedef int rlk_linear_logp_fwd_fn(const rlk_linear_logp_args *args, rlk_context *ctx);
 typedef int rlk_linear_logp_dz_fn(const rlk_linear_logp_dlogits_args *args, rlk_context *ctx);
 typedef int rlk_linear_logp_dlogits_fn(const rlk_linear_logp_dlogits_args *args, rlk_context *ctx);
+typedef int rlk_linear_logp_bwd_fn(const rlk_linear_logp_bwd_args *args, rlk_context *ctx);
 
 #ifdef __cplusplus
 }

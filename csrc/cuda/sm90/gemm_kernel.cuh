@@ -45,6 +45,15 @@
  * and the same adds, so the split may depend on M (it fills the last wave: at M = 209 the head's
  * dX, K = 151936, is 32 tiles). The counter only picks which CTA adds; it orders nothing.
  *
+ * fp32 operands as bf16 parts (Epilogue::PARTS: the fp32 linear_logp backward, sm90/linear_logp.cu). An fp32
+ * x is hi + mid + lo exactly (each part bf16 of what the previous ones leave), and a product x y is the six
+ * exact bf16 products parts_plane pairs up, smallest first, leaving out mid lo, lo mid and lo lo (below
+ * 2^-24 |x y| together, under fp32's own rounding of x y). Each operand comes as three bf16 planes [3][outer]
+ * [ld] (hi, mid, lo; plane stride outer x ld), read by 3-D tensor maps; the k loop runs PARTS_BLOCKS
+ * blocks of ceil(K / 64) k-slices, block b pairing A's plane parts_plane(false, b) with B's parts_plane(true,
+ * b), in chains of Epilogue::CHAIN k-slices added in fp32 (mma_tile: one chain over 6 K would truncate
+ * like no fp32 sum does). Stream-K shares such items by whole chains.
+ *
  * Batch invariance. Every output element is produced by the same instruction sequence whatever the
  * tile config, M or the tile it lands in: its accumulator starts at 0 and receives the k16 steps
  * 0, 1, ..., ceil(K/64)*4 - 1 in order, one wgmma m64 x k16 step each (the k-slices past K are zero
@@ -112,6 +121,14 @@ typedef struct k_chain_params {
     int *arrivals;                            /* split items: a counter per consumer tile, zeroed before */
 } k_chain_params;
 
+/* The bf16 parts of fp32 operands (Epilogue::PARTS, see the top of this file): block b of the k loop
+ * multiplies A's plane {lo, hi, mid, mid, hi, hi}[b] by B's {hi, lo, mid, hi, mid, hi}[b] (plane 0 hi,
+ * 1 mid, 2 lo): lo hi + hi lo + mid mid + mid hi + hi mid + hi hi, smallest first. */
+#define PARTS_BLOCKS 6
+__host__ __device__ constexpr int parts_plane(bool b_side, int block) {
+    return b_side ? (block == 1 ? 2 : block == 2 || block == 4 ? 1 : 0) : (block == 0 ? 2 : block == 2 || block == 3 ? 1 : 0);
+}
+
 /* ------------------------------------ storing epilogues ------------------------------------- */
 
 /* The value stored for an accumulator element, as a function object called with (acc, c, has_c, h, col):
@@ -139,6 +156,13 @@ struct gemm_value {
  * of 2 x C_BATCH pairs before using any; per-element predicates put each load in its own branch, and the
  * one L2 round trip per load that this cost made an fp32 beta = 1 GEMM take 1.5x the time of beta = 0. */
 #define C_BATCH 16
+template <int N, int MAX>
+__host__ __device__ constexpr int largest_divisor_upto() {
+    int d = MAX;
+    while (N % d != 0) --d;
+    return d;
+}
+
 template <int BN, typename OutT, class Value>
 __device__ __forceinline__ void apply_epilogue(float (&d)[BN / 2], int row0, int col0, const gemm_sm90_params &p,
                                                const Value &value) {
@@ -148,7 +172,8 @@ __device__ __forceinline__ void apply_epilogue(float (&d)[BN / 2], int row0, int
     const OutT *c = (const OutT *)p.c;
     const bool has_c = c != nullptr;
     if (has_c && p.c_pairs_aligned && row0 + 64 <= p.M && col0 + BN <= p.N) {
-        constexpr int BATCH = BN / 8 < C_BATCH ? BN / 8 : C_BATCH;
+        /* a divisor of BN / 8 (192 wide: 12), so that no batch reaches past the block */
+        constexpr int BATCH = largest_divisor_upto<BN / 8, C_BATCH>();
         const OutT *c_rows[2] = {c + (int64_t)row_base * p.ldc + col_base, c + (int64_t)(row_base + 8) * p.ldc + col_base};
 #pragma unroll
         for (int j0 = 0; j0 < BN / 8; j0 += BATCH) {
@@ -329,6 +354,7 @@ struct tile_store {
  *                   the accumulators, STATE_BN, hand_over / take_over below)
  *   K_CHAINS        the k-slices run as K chains (Params is k_chain_params; units of one tile)
  *   TRANSPOSED      the tiles are of out^T (swapped operands: store_tile_tma_transposed)
+ *   PARTS           A and B are fp32 matrices as three bf16 planes each (see the top of this file)
  *   Params          its own kernel parameters
  *   begin(row0, p, ep) -> unit state, before the unit's first k loop
  *   tile<BN, BF16, TMA_STORE>(d, unit, row0, col0, p, ep, store), after each tile's k loop
@@ -349,7 +375,7 @@ struct store_tiles {
     static constexpr int TILES_PER_UNIT = 1, CHAIN = 0;
     static constexpr bool STORES_TILES = true, PAIR_TAIL = Value::PAIR_TAIL;
     static constexpr bool STREAM_K = Value::STREAM_K && !CHAINS && !TRANSPOSED_OUT, K_CHAINS = CHAINS;
-    static constexpr bool TRANSPOSED = TRANSPOSED_OUT;
+    static constexpr bool TRANSPOSED = TRANSPOSED_OUT, PARTS = false;
     static __device__ __forceinline__ Value begin(int row0, const gemm_sm90_params &p, const Params &ep) {
         if constexpr (CHAINS) return Value::make(row0, p, typename Value::Params{});
         else return Value::make(row0, p, ep);
@@ -374,6 +400,14 @@ struct store_tiles {
     static __device__ __forceinline__ void end(const Value &, int, int, const gemm_sm90_params &, const Params &) {}
 };
 
+/* store_tiles of a product of fp32 operands given as bf16 planes (PARTS): chains of 8 k-slices, as
+ * linear_logp's forward folds them (mma_tile); no tail pairing. */
+template <typename OutType, class Value>
+struct store_parts_tiles : store_tiles<OutType, Value> {
+    static constexpr int CHAIN = 8;
+    static constexpr bool PAIR_TAIL = false, PARTS = true;
+};
+
 /* ------------------------------------ main loop --------------------------------------------- */
 
 /* The width of a stream-K slot (64 x SLOT_BN fp32 per consumer): a tile's accumulators when a unit is
@@ -395,6 +429,31 @@ __device__ __forceinline__ void unit_piece(int &k_begin, int &k_end, int &tile_b
     } else {
         tile_begin = 0, tile_end = 1;
     }
+}
+
+/* A PARTS kernel's piece in k-slices: stream-K shares its items in whole chains (item_length counts
+ * chains), since a piece that ended inside a chain would hand over d without that chain's sum. */
+template <class Epilogue>
+__device__ __forceinline__ void chain_aligned_piece(int &k_begin, int &k_end, int k_tiles) {
+    if constexpr (Epilogue::PARTS) {
+        k_begin *= Epilogue::CHAIN;
+        k_end = min(k_end * Epilogue::CHAIN, k_tiles);
+    }
+}
+
+/* One box of an operand by TMA: 2-D, or with PARTS from plane `plane` of its 3-D map. */
+template <bool PARTS>
+__device__ __forceinline__ void load_box(uint32_t dst, const CUtensorMap *map, int inner, int outer, int plane,
+                                         uint32_t bar) {
+    if constexpr (PARTS) tma_load_3d(dst, map, inner, outer, plane, bar);
+    else tma_load_2d(dst, map, inner, outer, bar);
+}
+
+template <bool PARTS>
+__device__ __forceinline__ void load_box_multicast(uint32_t dst, const CUtensorMap *map, int inner, int outer,
+                                                   int plane, uint32_t bar) {
+    if constexpr (PARTS) tma_load_3d_multicast(dst, map, inner, outer, plane, bar, 0x3);
+    else tma_load_2d_multicast(dst, map, inner, outer, bar, 0x3);
 }
 
 /* The work items of a grid: groups of CLUSTER vertically adjacent row tiles (one per CTA of a cluster,
@@ -553,13 +612,6 @@ __device__ __forceinline__ void load_partial(float (&d)[BN / 2], const float *sl
         const float4 v = __ldcg(src + 128 * i);
         d[4 * i] = v.x, d[4 * i + 1] = v.y, d[4 * i + 2] = v.z, d[4 * i + 3] = v.w;
     }
-}
-
-template <int N, int MAX>
-__host__ __device__ constexpr int largest_divisor_upto() {
-    int d = MAX;
-    while (N % d != 0) --d;
-    return d;
 }
 
 /* K chains (see the top of this file). A whole item's running sum: d = slot + d after every chain but
@@ -779,12 +831,16 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
     else cluster_sync();
 
     const int warpgroup = threadIdx.x / 128;
-    constexpr bool STREAM_K = Epilogue::STREAM_K, K_CHAINS = Epilogue::K_CHAINS;
+    constexpr bool STREAM_K = Epilogue::STREAM_K, K_CHAINS = Epilogue::K_CHAINS, PARTS = Epilogue::PARTS;
+    static_assert(!PARTS || (BF16 && SLICES == 1 && TILES_PER_UNIT == 1 && !K_CHAINS && !Epilogue::TRANSPOSED),
+                  "bf16 parts: one-tile units of one-slice stages");
     /* a chained kernel strides over its pieces (chain_piece), the others over their items */
     int num_work = p.work_items;
     if constexpr (K_CHAINS) num_work = ep.split_first + (p.work_items - ep.split_first) * ep.chains;
-    /* what stream-K shares out: k-slices of one-tile units, or tiles of a unit */
-    const int item_length = TILES_PER_UNIT > 1 ? TILES_PER_UNIT : p.k_tiles;
+    /* what stream-K shares out: k-slices of one-tile units (PARTS: whole chains of them), or tiles of a unit */
+    const int item_length = TILES_PER_UNIT > 1 ? TILES_PER_UNIT
+                            : PARTS            ? (p.k_tiles + Epilogue::CHAIN - 1) / Epilogue::CHAIN
+                                               : p.k_tiles;
     const work_plan plan = plan_work(STREAM_K && p.stream_k, num_work, item_length, blockIdx.x / CLUSTER,
                                      gridDim.x / CLUSTER);
 
@@ -798,6 +854,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                 plan.piece(i, item_length, &work, &k_begin, &k_end);
                 if constexpr (K_CHAINS) chain_piece(work, p, ep, &work, &k_begin, &k_end);
                 unit_piece<TILES_PER_UNIT>(k_begin, k_end, tile_begin, tile_end, p.k_tiles);
+                chain_aligned_piece<Epilogue>(k_begin, k_end, p.k_tiles);
                 const bool b_shared = work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
                 /* the k loop, instantiated for a B tile shared by the cluster or not: a branch on b_shared
                  * inside it moved the loop's state off the uniform datapath */
@@ -815,15 +872,15 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
                             b_tail_rows = (rows % B_BOX_ROWS + 7) / 8 * 8;
                         }
                         const uint32_t b_bytes = (b_full_boxes * B_BOX_ROWS + b_tail_rows) * BK * 2;
-                        auto load_b_box = [&](uint32_t dst, int box, int k, uint32_t bar) {
+                        auto load_b_box = [&](uint32_t dst, int box, int k, int plane, uint32_t bar) {
                             const CUtensorMap *map = &map_b;
                             if constexpr (B_TAIL_UNLOADED) {
                                 if (box > b_full_boxes || (box == b_full_boxes && b_tail_rows == 0)) return;
                                 if (box == b_full_boxes) map = &map_b_tail;
                             }
                             const int row = n_blk * BN + box * B_BOX_ROWS;
-                            if constexpr (SHARED_B) tma_load_2d_multicast(dst, map, k, row, bar, 0x3);
-                            else tma_load_2d(dst, map, k, row, bar);
+                            if constexpr (SHARED_B) load_box_multicast<PARTS>(dst, map, k, row, plane, bar);
+                            else load_box<PARTS>(dst, map, k, row, plane, bar);
                         };
                         for (int kt = k_begin; kt < k_end; ++it) {
                             const int s = it % STAGES;
@@ -839,16 +896,23 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
 #pragma unroll
                             for (int j = 0; j < SLICES; ++j) {
                                 if (j > 0 && j >= slices) break;
-                                const int slot = s * SLICES + j, k = (kt + j) * BK;
+                                const int slot = s * SLICES + j;
+                                /* PARTS: k-slice kt + j is slice k / BK of block `block`, whose planes pair up */
+                                int k = (kt + j) * BK, plane_a = 0, plane_b = 0;
+                                if constexpr (PARTS) {
+                                    const int block_tiles = p.k_tiles / PARTS_BLOCKS, block = (kt + j) / block_tiles;
+                                    k = (kt + j - block * block_tiles) * BK;
+                                    plane_a = parts_plane(false, block), plane_b = parts_plane(true, block);
+                                }
                                 if constexpr (A_MN) {
 #pragma unroll
                                     for (int jj = 0; jj < BM / 64; ++jj)
                                         if (64 * jj < a_rows)
-                                            tma_load_2d(a_smem + slot * A_SLICE + jj * MN_BOX, &map_a,
-                                                        m_blk * BM + 64 * jj, k, bar);
+                                            load_box<PARTS>(a_smem + slot * A_SLICE + jj * MN_BOX, &map_a,
+                                                            m_blk * BM + 64 * jj, k, plane_a, bar);
                                 } else if (a_rows > 0) {
-                                    tma_load_2d(a_smem + slot * A_SLICE, a_rows == BM ? &map_a : &map_a_tail, k,
-                                                m_blk * BM, bar);
+                                    load_box<PARTS>(a_smem + slot * A_SLICE, a_rows == BM ? &map_a : &map_a_tail, k,
+                                                    m_blk * BM, plane_a, bar);
                                 }
                                 const uint32_t b_dst = b_smem + slot * B_SLICE;
                                 if constexpr (SHARED_B) {
@@ -858,11 +922,11 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
 #pragma unroll
                                         for (int jj = 0; jj < HALF / 64; ++jj) {
                                             const int jb = cta_rank * (HALF / 64) + jj;
-                                            tma_load_2d_multicast(b_dst + jb * MN_BOX, &map_b, n_blk * BN + 64 * jb, k,
-                                                                  bar, 0x3);
+                                            load_box_multicast<PARTS>(b_dst + jb * MN_BOX, &map_b, n_blk * BN + 64 * jb,
+                                                                      k, plane_b, bar);
                                         }
                                     } else {
-                                        load_b_box(b_dst + cta_rank * HALF * BK * 2, cta_rank, k, bar);
+                                        load_b_box(b_dst + cta_rank * HALF * BK * 2, cta_rank, k, plane_b, bar);
                                     }
                                 } else {
                                     /* the whole B tile into this CTA: MN-major in 64-column boxes, K-major in the
@@ -871,8 +935,8 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
 #pragma unroll
                                     for (int jb = 0; jb < BN / B_BOX; ++jb) {
                                         const uint32_t dst = b_dst + jb * B_BOX * BK * 2;
-                                        if constexpr (B_MN) tma_load_2d(dst, &map_b, n_blk * BN + B_BOX * jb, k, bar);
-                                        else load_b_box(dst, jb, k, bar);
+                                        if constexpr (B_MN) load_box<PARTS>(dst, &map_b, n_blk * BN + B_BOX * jb, k, plane_b, bar);
+                                        else load_b_box(dst, jb, k, plane_b, bar);
                                     }
                                 }
                             }
@@ -901,6 +965,7 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
             plan.piece(i, item_length, &work, &k_begin, &k_end);
             if constexpr (K_CHAINS) chain_piece(work, p, ep, &work, &k_begin, &k_end);
             unit_piece<TILES_PER_UNIT>(k_begin, k_end, tile_begin, tile_end, p.k_tiles);
+            chain_aligned_piece<Epilogue>(k_begin, k_end, p.k_tiles);
             work_coords<CLUSTER, Epilogue::PAIR_TAIL>(work, p, cta_rank, &m_blk, &n_unit);
             const int row0 = m_blk * BM + 64 * c;
             const tile_store store{&map_out, epi_smem + c * 2 * EPI_BOX_BYTES, 1u + c};
@@ -982,22 +1047,24 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
 /* ------------------------------------ host side --------------------------------------------- */
 
 /* Map over a [outer, inner] matrix (inner contiguous, rows row_bytes apart), 128-byte swizzled boxes of
- * box_inner x box_outer elements; out-of-bounds elements read as zero (loads) or are skipped (stores). */
+ * box_inner x box_outer elements; out-of-bounds elements read as zero (loads) or are skipped (stores).
+ * planes = 3: over three such matrices one after another (a PARTS operand), a box from one plane. */
 static bool make_tensor_map(CUtensorMap *map, CUtensorMapDataType dtype, const void *base, int64_t inner,
-                            int64_t outer, int64_t row_bytes, int box_inner, int box_outer) {
+                            int64_t outer, int64_t row_bytes, int box_inner, int box_outer, int planes = 1) {
     PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (!encode) return false;
-    const cuuint64_t dims[2] = {(cuuint64_t)inner, (cuuint64_t)outer};
-    const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
-    const cuuint32_t box[2] = {(cuuint32_t)box_inner, (cuuint32_t)box_outer};
-    const cuuint32_t elem_strides[2] = {1, 1};
-    return encode(map, dtype, 2, (void *)base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+    const cuuint64_t dims[3] = {(cuuint64_t)inner, (cuuint64_t)outer, (cuuint64_t)planes};
+    const cuuint64_t strides[2] = {(cuuint64_t)row_bytes, (cuuint64_t)(row_bytes * outer)};
+    const cuuint32_t box[3] = {(cuuint32_t)box_inner, (cuuint32_t)box_outer, 1};
+    const cuuint32_t elem_strides[3] = {1, 1, 1};
+    return encode(map, dtype, planes > 1 ? 3 : 2, (void *)base, dims, strides, box, elem_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 /* Builds the tensor maps and launches gemm_sm90_kernel for the product args describes (A, B, out), with
- * p's epilogue fields (C, alpha, beta) filled by the caller. */
+ * p's epilogue fields (C, alpha, beta) filled by the caller. Epilogue::PARTS: args->a and b are the first
+ * of three bf16 planes each (parts of fp32 matrices, in args' layout), args->K the fp32 product's K. */
 template <int BN, int CONSUMERS, int A_ROWS, int STAGES, int SLICES, int CLUSTER, bool A_MN, bool B_MN, bool BF16,
           class Epilogue>
 static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const typename Epilogue::Params &ep,
@@ -1012,6 +1079,8 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     p.a_box_bytes = BM * BK * 2;
     p.a_tail_box_bytes = A_MN ? (p.a_tail_rows + 63) / 64 * 64 * BK * 2 : p.a_tail_rows * BK * 2;
     const CUtensorMapDataType in_type = BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    constexpr int PLANES = Epilogue::PARTS ? 3 : 1;
+    if constexpr (Epilogue::PARTS) p.k_tiles *= PARTS_BLOCKS;
     CUtensorMap map_a, map_a_tail, map_b, map_b_tail, map_out;
     memset(&map_a, 0, sizeof(map_a));
     memset(&map_a_tail, 0, sizeof(map_a_tail));
@@ -1020,12 +1089,13 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     memset(&map_out, 0, sizeof(map_out));
     if (args->K > 0) {
         const bool ok_a =
-            A_MN ? make_tensor_map(&map_a, in_type, args->a, args->M, args->K, args->lda * 2, 64, BK)
-                 : make_tensor_map(&map_a, in_type, args->a, args->K, args->M, args->lda * 2, BK, BM) &&
-                       (tail == 0 ||
-                        make_tensor_map(&map_a_tail, in_type, args->a, args->K, args->M, args->lda * 2, BK, p.a_tail_rows));
-        const bool ok_b = B_MN ? make_tensor_map(&map_b, in_type, args->b, args->N, args->K, args->ldb * 2, 64, BK)
-                               : make_tensor_map(&map_b, in_type, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER);
+            A_MN ? make_tensor_map(&map_a, in_type, args->a, args->M, args->K, args->lda * 2, 64, BK, PLANES)
+                 : make_tensor_map(&map_a, in_type, args->a, args->K, args->M, args->lda * 2, BK, BM, PLANES) &&
+                       (tail == 0 || make_tensor_map(&map_a_tail, in_type, args->a, args->K, args->M, args->lda * 2, BK,
+                                                     p.a_tail_rows, PLANES));
+        const bool ok_b =
+            B_MN ? make_tensor_map(&map_b, in_type, args->b, args->N, args->K, args->ldb * 2, 64, BK, PLANES)
+                 : make_tensor_map(&map_b, in_type, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER, PLANES);
         /* the swapped kernels' box of the last column tile that N cuts through (B_TAIL_UNLOADED), rows
          * rounded up to 8 */
         const int b_tail_rows = (int)((args->N - (args->N - 1) / BN * BN) % (BN / CLUSTER) + 7) / 8 * 8;

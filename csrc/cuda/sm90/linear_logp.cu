@@ -185,7 +185,7 @@ struct logp_fold {
     using Params = logp_sm90_params;
     static constexpr int TILES_PER_UNIT = LOGP_SPLIT_COLS / BN, CHAIN = LOGP_CHAIN, STATE_BN = 16;
     static constexpr bool STORES_TILES = false, PAIR_TAIL = false, STREAM_K = true, K_CHAINS = false;
-    static constexpr bool TRANSPOSED = false;
+    static constexpr bool TRANSPOSED = false, PARTS = false;
     static_assert(LOGP_SPLIT_COLS % BN == 0, "a split is whole tiles");
     static __device__ __forceinline__ logp_row_states begin(int row0, const gemm_sm90_params &p,
                                                             const logp_sm90_params &lp) {
@@ -285,17 +285,12 @@ static int launch_logp_fold(const void *hidden, int64_t ldh, const void *weight,
  * |x y| together, less than fp32's own rounding of x y):
  *   x y ~ lo_x hi_y + hi_x lo_y + mid_x mid_y + mid_x hi_y + hi_x mid_y + hi_x hi_y,
  * smallest first. So hidden @ weight^T is one 16-bit product over K = 6 D + tail: hidden's parts in the
- * blocks of fp32_block_part, each D long, and with a bias the tail
+ * blocks of parts_plane (gemm_kernel.cuh; hidden is its A side, weight its B side), each D long, and with a bias the tail
  * [1, 1, 1] x [lo, mid, hi of bias], padded with zeros to a multiple of 8. The logits are the bf16
  * forward's fold over it (fresh 512-long wgmma chains added in fp32), never TF32; docs/operators/
  * linear_logp.md gives the error against fp64 beside the fp32 FFMA path's. */
-#define FP32_BLOCKS 6
+#define FP32_BLOCKS PARTS_BLOCKS
 #define FP32_PARTS_BYTES (256ll << 20) /* hidden's parts of a row block (half at most) + weight's of a chunk */
-/* The part (0 hi, 1 mid, 2 lo) in block b of a row of weight's parts {hi, lo, mid, hi, mid, hi} or of
- * hidden's {lo, hi, mid, mid, hi, hi}. */
-__host__ __device__ constexpr int fp32_block_part(bool weight, int b) {
-    return weight ? (b == 1 ? 2 : b == 2 || b == 4 ? 1 : 0) : (b == 0 ? 2 : b == 2 || b == 3 ? 1 : 0);
-}
 
 static int64_t fp32_parts_k(int64_t D, bool bias) { return (FP32_BLOCKS * D + (bias ? 3 : 0) + 7) / 8 * 8; }
 
@@ -318,7 +313,7 @@ __global__ void fp32_parts_kernel(const float *__restrict__ x, int64_t ld, int64
         __nv_bfloat16 part[3];
         fp32_parts(xr[d], part);
 #pragma unroll
-        for (int b = 0; b < FP32_BLOCKS; ++b) out[b * D + d] = part[fp32_block_part(WEIGHT, b)];
+        for (int b = 0; b < FP32_BLOCKS; ++b) out[b * D + d] = part[parts_plane(WEIGHT, b)];
     }
     for (int64_t k = FP32_BLOCKS * D + threadIdx.x; k < K; k += blockDim.x) {
         const int64_t i = k - FP32_BLOCKS * D;
@@ -466,4 +461,186 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
                       &g, p, lp, device, num_sms, s)
                 : launch_gemm_sm90<256, 2, 64, 4, 1, 2, false, false, false, store_tiles<__half, dlogits_value>>(
                       &g, p, lp, device, num_sms, s);
+}
+
+/* ------------------------- fp32 backward: every product on bf16 parts ------------------------- */
+/* With fp32 inputs the backward's three products run as PARTS products of gemm_kernel.cuh (bf16 planes
+ * hi, mid, lo of each fp32 operand, six exact bf16 products summed in fp32 chains of 512; never TF32),
+ * per block of rows and vocabulary chunk:
+ *   planes(H_block); then for each chunk c of fp32_bwd_chunk(D, V) columns, in increasing order:
+ *     planes(W_c); dz = dlogits(H_block W_c^T + b_c), fp32 (192-wide tiles); planes(dz); db_c += column
+ *     sums of dz (rows in order); dH_block (+)= dz W_c into grad_hidden; dW_c (+)= dz^T H_block into
+ *     grad_weight (accumulated over the blocks).
+ * A row's dH is the same sum of the same chunks whatever the blocks (the GEMMs' rows are batch-invariant,
+ * the chunks depend on D and V); dW and db add the blocks in order. */
+#define FP32_BWD_WEIGHT_BYTES (96ll << 20) /* weight's planes of one chunk */
+
+/* Vocabulary columns per chunk: weight's planes within FP32_BWD_WEIGHT_BYTES, in multiples of 384 (whole
+ * 192-wide dz tiles and 128-row dW tiles), at most V. */
+static int64_t fp32_bwd_chunk(int64_t D, int64_t V) {
+    const int64_t ld = (D + 7) / 8 * 8, by_bytes = FP32_BWD_WEIGHT_BYTES / (6 * ld) / 384 * 384;
+    const int64_t chunk = by_bytes < 384 ? 384 : by_bytes;
+    return chunk < V ? chunk : V;
+}
+
+/* x [rows, cols] fp32 (row stride ld) -> planes[p][row][col], p = 0 hi, 1 mid, 2 lo (fp32_parts), row stride
+ * ld_planes, plane stride rows x ld_planes: a PARTS operand (gemm_kernel.cuh). One block per row. */
+__global__ void fp32_planes_kernel(const float *__restrict__ x, int64_t ld, int64_t cols, int64_t ld_planes,
+                                   int64_t plane_stride, __nv_bfloat16 *__restrict__ planes) {
+    const int64_t row = blockIdx.x;
+    const float *xr = x + row * ld;
+    __nv_bfloat16 *out = planes + row * ld_planes;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        __nv_bfloat16 part[3];
+        fp32_parts(xr[c], part);
+#pragma unroll
+        for (int q = 0; q < 3; ++q) out[q * plane_stride + c] = part[q];
+    }
+}
+
+static int launch_fp32_planes(const float *x, int64_t ld, int64_t rows, int64_t cols, int64_t ld_planes,
+                              __nv_bfloat16 *planes, cudaStream_t s) {
+    fp32_planes_kernel<<<(unsigned)rows, 256, 0, s>>>(x, ld, cols, ld_planes, rows * ld_planes, planes);
+    return (int)cudaGetLastError();
+}
+
+/* db[c] += sum over rows r (in order) of dz[r][c]: one thread per column. */
+__global__ void column_sums_kernel(const float *__restrict__ dz, int64_t ld, int64_t rows, int64_t cols,
+                                   float *__restrict__ db) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float sum = 0.f;
+    for (int64_t r = 0; r < rows; ++r) sum = __fadd_rn(sum, dz[r * ld + c]);
+    db[c] = __fadd_rn(db[c], sum);
+}
+
+/* The fp32 backward's plan: the chunk, rows per block (as few equal blocks as fit, whole 128-row tiles
+ * where that still fits) and where each buffer lies in the workspace. */
+typedef struct fp32_bwd_plan {
+    int64_t chunk, block, ld_d, ld_chunk;
+    int64_t slot_bytes, weight_bytes, hidden_bytes, dz_bytes, dz_planes_bytes, total_bytes;
+} fp32_bwd_plan;
+
+static bool plan_fp32_bwd(const rlk_linear_logp_bwd_args *args, int num_sms, fp32_bwd_plan *f) {
+    f->chunk = fp32_bwd_chunk(args->D, args->V);
+    f->ld_d = (args->D + 7) / 8 * 8;
+    f->ld_chunk = (f->chunk + 7) / 8 * 8;
+    f->slot_bytes = (stream_k_workspace_bytes(192, 2, num_sms) + 255) / 256 * 256; /* the widest tiles' */
+    f->weight_bytes = (6 * f->chunk * f->ld_d + 255) / 256 * 256;
+    const int64_t row_bytes = 6 * f->ld_d + 10 * f->ld_chunk + 3 * 256; /* H's planes, dz, dz's planes */
+    const int64_t room = args->max_workspace_bytes - f->slot_bytes - f->weight_bytes;
+    const int64_t max_block = room / row_bytes;
+    if (max_block < 1) return false;
+    const int64_t blocks = (args->N + max_block - 1) / max_block;
+    int64_t block = (args->N + blocks - 1) / blocks;
+    block = (block + 127) / 128 * 128 <= max_block ? (block + 127) / 128 * 128 : block;
+    f->block = block > args->N ? args->N : block;
+    f->hidden_bytes = (6 * f->block * f->ld_d + 255) / 256 * 256;
+    f->dz_bytes = (4 * f->block * f->ld_chunk + 255) / 256 * 256;
+    f->dz_planes_bytes = (6 * f->block * f->ld_chunk + 255) / 256 * 256;
+    f->total_bytes = f->slot_bytes + f->weight_bytes + f->hidden_bytes + f->dz_bytes + f->dz_planes_bytes;
+    return true;
+}
+
+/* out (+)= A @ B as a PARTS product on 128 x 128 tiles, clusters of 2, 6 stages: dH = dz W_c (A K-major,
+ * B MN-major) and dW_c = dz^T H (both MN-major); fp32 out, accumulated into itself when accumulate. */
+template <bool A_MN>
+static int launch_parts_gemm(int64_t M, int64_t N, int64_t K, const __nv_bfloat16 *a, int64_t lda,
+                             const __nv_bfloat16 *b, int64_t ldb, float *out, int64_t ldo, bool accumulate,
+                             float *slots, int device, int num_sms, cudaStream_t s) {
+    rlk_gemm_args g;
+    memset(&g, 0, sizeof(g));
+    g.M = M, g.N = N, g.K = K;
+    g.in_dtype = RLK_BF16, g.out_dtype = RLK_F32;
+    g.a = a, g.lda = lda, g.a_trans = A_MN;
+    g.b = b, g.ldb = ldb;
+    g.c = accumulate ? out : nullptr, g.ldc = accumulate ? ldo : 0;
+    g.out = out, g.ldo = ldo;
+    g.alpha = 1.0, g.beta = accumulate ? 1.0 : 0.0;
+    gemm_sm90_params p = gemm_params(&g);
+    p.stream_k = 1;
+    p.partials = slots;
+    return launch_gemm_sm90<128, 2, 64, 6, 1, 2, A_MN, true, true, store_parts_tiles<float, gemm_value>>(
+        &g, p, gemm_value::Params{}, device, num_sms, s);
+}
+
+/* dz of the block's rows and the chunk at v0, fp32: the PARTS product of H's and W_c's planes with the
+ * dlogits epilogue (z = acc + bias in fp32), on 128 x 192 tiles, clusters of 2, 4 stages. */
+static int launch_parts_dlogits(const rlk_linear_logp_bwd_args *args, int64_t r0, int64_t rows, int64_t v0,
+                                int64_t cols, const fp32_bwd_plan &f, const __nv_bfloat16 *hidden_planes,
+                                const __nv_bfloat16 *weight_planes, float *dz, float *slots, int device,
+                                int num_sms, cudaStream_t s) {
+    rlk_gemm_args g = product_args(hidden_planes, f.ld_d, weight_planes, f.ld_d, rows, cols, args->D, RLK_BF16,
+                                   RLK_F32);
+    g.c = args->bias != nullptr ? (const float *)args->bias + v0 : nullptr;
+    g.ldc = 0;
+    g.out = dz;
+    g.ldo = f.ld_chunk;
+    g.alpha = g.beta = 1.0;
+    gemm_sm90_params p = gemm_params(&g);
+    p.stream_k = 1;
+    p.partials = slots;
+    logp_sm90_params lp;
+    memset(&lp, 0, sizeof(lp));
+    lp.target = args->target + r0;
+    lp.lse = args->lse + r0;
+    lp.entropy = args->entropy != nullptr ? args->entropy + r0 : nullptr;
+    lp.grad_logp = args->grad_logp != nullptr ? args->grad_logp + r0 : nullptr;
+    lp.grad_entropy = args->grad_entropy != nullptr ? args->grad_entropy + r0 : nullptr;
+    lp.ignore_index = args->ignore_index;
+    lp.v0 = v0;
+    lp.inv_temperature = args->inv_temperature;
+    return launch_gemm_sm90<192, 2, 64, 4, 1, 2, false, false, true, store_parts_tiles<float, dlogits_value>>(
+        &g, p, lp, device, num_sms, s);
+}
+
+extern "C" int rlk_linear_logp_bwd_sm90(const rlk_linear_logp_bwd_args *args, rlk_context *ctx) {
+    if (args->dtype != RLK_F32) return RLK_UNSUPPORTED; /* 16-bit inputs: the binding's chunk walk */
+    if (args->D <= 0 || args->D >= INT32_MAX / 8 || args->N >= INT32_MAX || args->V >= INT32_MAX) return RLK_UNSUPPORTED;
+    int device, num_sms;
+    const cudaError_t err = current_device(&device, &num_sms);
+    if (err != cudaSuccess) return (int)err;
+    fp32_bwd_plan f;
+    if (!plan_fp32_bwd(args, num_sms, &f)) return RLK_UNSUPPORTED;
+    ctx->kernel = "linear_logp_bwd_fp32_sm90";
+    if (ctx->plan_only) {
+        ctx->workspace_bytes = f.total_bytes;
+        return RLK_OK;
+    }
+    char *ws = (char *)args->workspace;
+    float *slots = (float *)ws;
+    __nv_bfloat16 *weight_planes = (__nv_bfloat16 *)(ws + f.slot_bytes);
+    __nv_bfloat16 *hidden_planes = (__nv_bfloat16 *)(ws + f.slot_bytes + f.weight_bytes);
+    float *dz = (float *)(ws + f.slot_bytes + f.weight_bytes + f.hidden_bytes);
+    __nv_bfloat16 *dz_planes = (__nv_bfloat16 *)(ws + f.slot_bytes + f.weight_bytes + f.hidden_bytes + f.dz_bytes);
+    const float *hidden = (const float *)args->hidden, *weight = (const float *)args->weight;
+    float *grad_hidden = (float *)args->grad_hidden, *grad_weight = (float *)args->grad_weight;
+    const cudaStream_t s = (cudaStream_t)ctx->stream;
+    int rc = RLK_OK;
+    for (int64_t r0 = 0; rc == RLK_OK && r0 < args->N; r0 += f.block) {
+        const int64_t rows = args->N - r0 < f.block ? args->N - r0 : f.block;
+        rc = launch_fp32_planes(hidden + r0 * args->ldh, args->ldh, rows, args->D, f.ld_d, hidden_planes, s);
+        for (int64_t v0 = 0; rc == RLK_OK && v0 < args->V; v0 += f.chunk) {
+            const int64_t cols = args->V - v0 < f.chunk ? args->V - v0 : f.chunk;
+            rc = launch_fp32_planes(weight + v0 * args->ldw, args->ldw, cols, args->D, f.ld_d, weight_planes, s);
+            if (rc == RLK_OK)
+                rc = launch_parts_dlogits(args, r0, rows, v0, cols, f, hidden_planes, weight_planes, dz, slots, device,
+                                          num_sms, s);
+            if (rc == RLK_OK) rc = launch_fp32_planes(dz, f.ld_chunk, rows, cols, f.ld_chunk, dz_planes, s);
+            if (rc == RLK_OK && args->grad_bias != nullptr) {
+                column_sums_kernel<<<(unsigned)((cols + 255) / 256), 256, 0, s>>>(dz, f.ld_chunk, rows, cols,
+                                                                               args->grad_bias + v0);
+                rc = (int)cudaGetLastError();
+            }
+            if (rc == RLK_OK) /* dH (+)= dz W_c */
+                rc = launch_parts_gemm<false>(rows, args->D, cols, dz_planes, f.ld_chunk, weight_planes, f.ld_d,
+                                              grad_hidden + r0 * args->ld_grad_hidden, args->ld_grad_hidden, v0 > 0,
+                                              slots, device, num_sms, s);
+            if (rc == RLK_OK) /* dW_c (+)= dz^T H */
+                rc = launch_parts_gemm<true>(cols, args->D, rows, dz_planes, f.ld_chunk, hidden_planes, f.ld_d,
+                                             grad_weight + v0 * args->ld_grad_weight, args->ld_grad_weight, r0 > 0,
+                                             slots, device, num_sms, s);
+        }
+    }
+    return rc;
 }
