@@ -29,8 +29,14 @@
  * one bf16 product over K = 6 D + tail that equals the fp32 one to below fp32's rounding (see "fp32
  * inputs" below); per block of rows and vocabulary chunk, within FP32_PARTS_BYTES of workspace.
  *
+ * fp32 backward (linear_logp_bwd): the whole backward, each of its products (z for dz, dH, dW) a PARTS
+ * product of bf16 planes (gemm_kernel.cuh; "fp32 backward" below), per block of rows and vocabulary chunk
+ * of a width fixed by D; dH rows tested bitwise alone, among a few and across row blocks, the gradients
+ * against fp64 (test_fp32_backward_on_bf16_parts).
+ *
  * Limits (-> RLK_UNSUPPORTED, sm80 runs): the forward takes bf16 / fp16 with D a multiple of 8, or fp32;
- * dz takes bf16 / fp16; 16-bit operands TMA cannot describe.
+ * dz takes bf16 / fp16, the whole backward fp32 (16-bit: the binding's chunk walk); 16-bit operands TMA
+ * cannot describe.
  *
  * Build: as sm90/gemm.cu (python3 csrc/cuda/sm90/wgmma_gen.py build/gen; nvcc ... -Ibuild/gen
  *        csrc/cuda/sm90/linear_logp.cu). Test: pytest tests/test_gpu_linear_logp.py -m gpu.
