@@ -398,13 +398,13 @@ PyObject *py_linear_logp_bwd(PyObject *self, PyObject *args) {
     ok = ok && (p.N == 0 || align_operands(&t[HIDDEN], &t[WEIGHT], &p, &ctx, copies) == 0);
     int whole = 0; /* the backend ran the whole backward itself */
     if (ok && p.N > 0) {
+        rlk_linear_logp_dlogits_args rows = {0};
+        fill_row_data(&rows, &t[ROWS]);
         rlk_linear_logp_bwd_args b = {
             .N = p.N, .D = p.D, .V = p.V, .dtype = p.dtype, .hidden = p.hidden, .weight = p.weight, .bias = p.bias,
-            .ldh = p.ldh, .ldw = p.ldw, .target = p.target, .ignore_index = ignore_index,
-            .inv_temperature = (float)inv_temperature, .lse = (const float *)t[ROWS + ROW_LSE].data,
-            .entropy = t[ROWS + ROW_ENTROPY].present ? (const float *)t[ROWS + ROW_ENTROPY].data : NULL,
-            .grad_logp = t[ROWS + ROW_GRAD_LOGP].present ? (const float *)t[ROWS + ROW_GRAD_LOGP].data : NULL,
-            .grad_entropy = t[ROWS + ROW_GRAD_ENTROPY].present ? (const float *)t[ROWS + ROW_GRAD_ENTROPY].data : NULL,
+            .ldh = p.ldh, .ldw = p.ldw, .target = rows.target, .ignore_index = ignore_index,
+            .inv_temperature = (float)inv_temperature, .lse = rows.lse, .entropy = rows.entropy,
+            .grad_logp = rows.grad_logp, .grad_entropy = rows.grad_entropy,
             .grad_hidden = t[GRAD_HIDDEN].data, .grad_weight = t[GRAD_WEIGHT].data,
             .ld_grad_hidden = rlk_row_stride(&t[GRAD_HIDDEN]), .ld_grad_weight = rlk_row_stride(&t[GRAD_WEIGHT]),
             .grad_bias = t[GRAD_BIAS].present ? (float *)t[GRAD_BIAS].data : NULL,

@@ -295,10 +295,9 @@ static int launch_logp_fold(const void *hidden, int64_t ldh, const void *weight,
  * [1, 1, 1] x [lo, mid, hi of bias], padded with zeros to a multiple of 8. The logits are the bf16
  * forward's fold over it (fresh 512-long wgmma chains added in fp32), never TF32; docs/operators/
  * linear_logp.md gives the error against fp64 beside the fp32 FFMA path's. */
-#define FP32_BLOCKS PARTS_BLOCKS
 #define FP32_PARTS_BYTES (256ll << 20) /* hidden's parts of a row block (half at most) + weight's of a chunk */
 
-static int64_t fp32_parts_k(int64_t D, bool bias) { return (FP32_BLOCKS * D + (bias ? 3 : 0) + 7) / 8 * 8; }
+static int64_t fp32_parts_k(int64_t D, bool bias) { return (PARTS_BLOCKS * D + (bias ? 3 : 0) + 7) / 8 * 8; }
 
 __device__ __forceinline__ void fp32_parts(float x, __nv_bfloat16 (&part)[3]) {
     part[0] = __float2bfloat16_rn(x);
@@ -319,10 +318,10 @@ __global__ void fp32_parts_kernel(const float *__restrict__ x, int64_t ld, int64
         __nv_bfloat16 part[3];
         fp32_parts(xr[d], part);
 #pragma unroll
-        for (int b = 0; b < FP32_BLOCKS; ++b) out[b * D + d] = part[parts_plane(WEIGHT, b)];
+        for (int b = 0; b < PARTS_BLOCKS; ++b) out[b * D + d] = part[parts_plane(WEIGHT, b)];
     }
-    for (int64_t k = FP32_BLOCKS * D + threadIdx.x; k < K; k += blockDim.x) {
-        const int64_t i = k - FP32_BLOCKS * D;
+    for (int64_t k = PARTS_BLOCKS * D + threadIdx.x; k < K; k += blockDim.x) {
+        const int64_t i = k - PARTS_BLOCKS * D;
         __nv_bfloat16 v = __float2bfloat16_rn(0.f);
         if (bias != nullptr && i < 3) {
             __nv_bfloat16 part[3];
@@ -481,10 +480,10 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
  * the chunks depend on D and V); dW and db add the blocks in order. */
 #define FP32_BWD_WEIGHT_BYTES (96ll << 20) /* weight's planes of one chunk */
 
-/* Vocabulary columns per chunk: weight's planes within FP32_BWD_WEIGHT_BYTES, in multiples of 384 (whole
- * 192-wide dz tiles and 128-row dW tiles), at most V. */
-static int64_t fp32_bwd_chunk(int64_t D, int64_t V) {
-    const int64_t ld = (D + 7) / 8 * 8, by_bytes = FP32_BWD_WEIGHT_BYTES / (6 * ld) / 384 * 384;
+/* Vocabulary columns per chunk: weight's planes (rows of ld_d) within FP32_BWD_WEIGHT_BYTES, in multiples of
+ * 384 (whole 192-wide dz tiles and 128-row dW tiles), at most V. */
+static int64_t fp32_bwd_chunk(int64_t ld_d, int64_t V) {
+    const int64_t by_bytes = FP32_BWD_WEIGHT_BYTES / (6 * ld_d) / 384 * 384;
     const int64_t chunk = by_bytes < 384 ? 384 : by_bytes;
     return chunk < V ? chunk : V;
 }
@@ -528,8 +527,8 @@ typedef struct fp32_bwd_plan {
 } fp32_bwd_plan;
 
 static bool plan_fp32_bwd(const rlk_linear_logp_bwd_args *args, int num_sms, fp32_bwd_plan *f) {
-    f->chunk = fp32_bwd_chunk(args->D, args->V);
     f->ld_d = (args->D + 7) / 8 * 8;
+    f->chunk = fp32_bwd_chunk(f->ld_d, args->V);
     f->ld_chunk = (f->chunk + 7) / 8 * 8;
     f->slot_bytes = (stream_k_workspace_bytes(192, 2, num_sms) + 255) / 256 * 256; /* the widest tiles' */
     f->weight_bytes = (6 * f->chunk * f->ld_d + 255) / 256 * 256;
