@@ -54,8 +54,8 @@ def main():
         h, w = randn(1024, 5120).requires_grad_(), randn(16484, 5120).requires_grad_()
         t = torch.randint(0, 16484, (1024,), device="cuda", generator=gen)
         torch.autograd.grad(rl_kernels.linear_logp(h, w, t), (h, w), randn(1024, dtype=torch.float32))
-        # fp32 with a bias: sm90 runs it as bf16 parts over K = 6 D + 8 (D = 36: K not a multiple of 64),
-        # the bias's parts in the tail
+        # fp32 with a bias: sm90 folds the PARTS product of bf16 planes of K = D + 1 = 37 columns (rows
+        # of 40; K not a multiple of 64), the bias's parts in the planes' last column
         h, w, b = randn(300, 36, dtype=torch.float32), randn(9000, 36, dtype=torch.float32), randn(9000, dtype=torch.float32)
         t = torch.randint(0, 9000, (300,), device="cuda", generator=gen)
         rl_kernels.linear_logp(h, w, t, b, return_entropy=True)

@@ -285,17 +285,17 @@ def test_fp32_inputs_reach_fp32_accuracy(backend):
                     reason="sm90 not usable")
 def test_fp32_backward_on_bf16_parts():
     """sm90's fp32 backward runs its three products on bf16 parts (linear_logp_bwd_fp32_sm90): at D =
-    2048, V = 9000 in two vocabulary chunks (8064 + 936 columns) and, for 3000 rows within the 240 MB
-    budget, three blocks of 1024 rows. Gradients of logp . g + entropy . g' (random cotangents, a bias,
-    temperature 0.8, an ignored row) against fp64 within fp32's error and memory within 256 MB; a row's
-    dH bitwise the same alone, among a few or across a block boundary; the whole backward repeatable."""
-    n, d, v = 3000, 2048, 9000
+    2048 with a bias, V = 9000 in two vocabulary chunks (4608 + 4392 columns) and, for 8000 rows within the
+    240 MB budget, three blocks of 2688 rows. Gradients of logp . g + entropy . g' (random cotangents,
+    temperature 0.8, an ignored row) against fp64 within fp32's error and memory within 256 MB; a row's dH
+    bitwise the same alone, among a few or across a block boundary; the whole backward repeatable."""
+    n, d, v = 8000, 2048, 9000
     h = cuda_randn(n, d, dtype=torch.float32, seed=100)
     w = cuda_randn(v, d, dtype=torch.float32, seed=101, scale=d ** -0.5 * 2)
     b = cuda_randn(v, dtype=torch.float32, seed=102)
     t = torch.randint(0, v, (n,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(103))
     t[7] = -100
-    t[8] = 8064  # the second chunk's first column
+    t[8] = 4608  # the second chunk's first column
     g_logp = cuda_randn(n, dtype=torch.float32, seed=104)
     g_ent = cuda_randn(n, dtype=torch.float32, seed=105)
     ours = functools.partial(rl_kernels.linear_logp, backend="sm90", temperature=0.8)
@@ -318,7 +318,7 @@ def test_fp32_backward_on_bf16_parts():
     assert (got[0][7] == 0).all()
     for x, y in zip(got, autograd_grads(h, w, b, t, g_logp, g_ent, ours)):
         assert torch.equal(x, y)
-    for rows in (slice(0, 1), slice(100, 117), slice(1020, 1030), slice(2990, 3000)):
+    for rows in (slice(0, 1), slice(100, 117), slice(2680, 2700), slice(7990, 8000)):
         part = autograd_grads(h[rows], w, b, t[rows], g_logp[rows], g_ent[rows], ours)
         assert torch.equal(part[0], got[0][rows]), rows
 
@@ -326,24 +326,25 @@ def test_fp32_backward_on_bf16_parts():
 @pytest.mark.skipif(not (HAS_CUDA and kernel_registry.backend_status("linear_logp", "sm90")[0]),
                     reason="sm90 not usable")
 def test_fp32_parts_in_row_blocks_and_vocabulary_chunks():
-    """sm90's fp32 forward at D = 2048 holds hidden's parts for blocks of up to 5457 rows and weight's
-    for chunks of whole splits in the rest of 256 MB: 6000 rows run as two blocks of 3000, V = 12000
-    as chunks of 7680 and 4320 columns (17 rows: 10752 and 1248). Every row's results equal those
+    """sm90's fp32 forward at D = 2048 with a bias holds hidden's planes for blocks of up to 10880 rows
+    and weight's for chunks of whole splits in the rest of 256 MB: 12000 rows run as two blocks of 6000,
+    V = 20000 as chunks of 15360 and 4640 columns (17 rows: one chunk). Every row's results equal those
     of the same row alone or among a few, and its error against fp64 stays within fp32's."""
-    n, d, v = 6000, 2048, 12000
+    n, d, v = 12000, 2048, 20000
     h = cuda_randn(n, d, dtype=torch.float32, seed=90)
     w = cuda_randn(v, d, dtype=torch.float32, seed=91, scale=d ** -0.5 * 2)
     b = cuda_randn(v, dtype=torch.float32, seed=92)
     t = torch.randint(0, v, (n,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(93))
     t[5] = -100
-    t[4000] = 7680 + 7  # the last chunk, and rows of the second block
-    t[4001] = 7679
+    t[8000] = 15360 + 7  # the last chunk, and rows of the second block
+    t[8001] = 15359
     logp, ent = rl_kernels.linear_logp(h, w, t, b, return_entropy=True, backend="sm90")
     assert kernel_registry.last_kernel() == "linear_logp_fwd_fp32_sm90"
-    for rows in (slice(0, 1), slice(3, 20), slice(2990, 3010), slice(3999, 4130), slice(5999, 6000)):
+    for rows in (slice(0, 1), slice(3, 20), slice(5990, 6010), slice(7999, 8130), slice(11999, 12000)):
         part, part_ent = rl_kernels.linear_logp(h[rows], w, t[rows], b, return_entropy=True, backend="sm90")
         assert torch.equal(part, logp[rows]) and torch.equal(part_ent, ent[rows]), rows
-    check = torch.cat([torch.arange(0, 64), torch.arange(3990, 4010), torch.arange(5936, 6000)]).cuda()
+    check = torch.cat([torch.arange(0, 64), torch.arange(5990, 6010), torch.arange(7990, 8010),
+                       torch.arange(11936, 12000)]).cuda()
     ref_logp, ref_ent = fp64_reference(h.double(), w.double(), t, b.double(), rows=check)
     assert (logp[check].double() - ref_logp).abs().max() <= 1e-5
     assert (ent[check].double() - ref_ent).abs().max() <= 1e-5

@@ -431,11 +431,12 @@ __device__ __forceinline__ void unit_piece(int &k_begin, int &k_end, int &tile_b
     }
 }
 
-/* A PARTS kernel's piece in k-slices: stream-K shares its items in whole chains (item_length counts
- * chains), since a piece that ended inside a chain would hand over d without that chain's sum. */
+/* A PARTS kernel's piece in k-slices: stream-K shares its one-tile items in whole chains (item_length
+ * counts chains), since a piece that ended inside a chain would hand over d without that chain's sum
+ * (units of several tiles are shared by tiles, each tile's chains whole). */
 template <class Epilogue>
 __device__ __forceinline__ void chain_aligned_piece(int &k_begin, int &k_end, int k_tiles) {
-    if constexpr (Epilogue::PARTS) {
+    if constexpr (Epilogue::PARTS && Epilogue::TILES_PER_UNIT == 1) {
         k_begin *= Epilogue::CHAIN;
         k_end = min(k_end * Epilogue::CHAIN, k_tiles);
     }
@@ -832,8 +833,8 @@ gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constan
 
     const int warpgroup = threadIdx.x / 128;
     constexpr bool STREAM_K = Epilogue::STREAM_K, K_CHAINS = Epilogue::K_CHAINS, PARTS = Epilogue::PARTS;
-    static_assert(!PARTS || (BF16 && SLICES == 1 && TILES_PER_UNIT == 1 && !K_CHAINS && !Epilogue::TRANSPOSED),
-                  "bf16 parts: one-tile units of one-slice stages");
+    static_assert(!PARTS || (BF16 && SLICES == 1 && Epilogue::CHAIN > 0 && !K_CHAINS && !Epilogue::TRANSPOSED),
+                  "bf16 parts: chains of one-slice stages");
     /* a chained kernel strides over its pieces (chain_piece), the others over their items */
     int num_work = p.work_items;
     if constexpr (K_CHAINS) num_work = ep.split_first + (p.work_items - ep.split_first) * ep.chains;

@@ -25,9 +25,10 @@
  * of N = 1, 3, 17, 129, 1000 and shifted rows vs N = 4096; at V = 32768, where N = 300 to 1024 share their
  * last units differently, N = 1 .. 1000 vs 1024; fused dz vs the SM90 GEMM followed by the elementwise dz).
  *
- * fp32 forward: hidden and weight as three bf16 parts each (fp32_parts), so that the same kernel folds
- * one bf16 product over K = 6 D + tail that equals the fp32 one to below fp32's rounding (see "fp32
- * inputs" below); per block of rows and vocabulary chunk, within FP32_PARTS_BYTES of workspace.
+ * fp32 forward: hidden and weight as three bf16 planes each (fp32_parts; the bias one more column), and
+ * the same fold over their PARTS product (gemm_kernel.cuh), which equals the fp32 product to below fp32's
+ * rounding (see "fp32 inputs" below); per block of rows and vocabulary chunk, within FP32_PARTS_BYTES of
+ * workspace.
  *
  * fp32 backward (linear_logp_bwd): the whole backward, each of its products (z for dz, dH, dW) a PARTS
  * product of bf16 planes (gemm_kernel.cuh; "fp32 backward" below), per block of rows and vocabulary chunk
@@ -185,13 +186,13 @@ __device__ __forceinline__ void store_partials(logp_row_states &st, int row0, in
  * shares the last units' tiles between clusters (gemm_kernel.cuh): a piece that stops inside a unit
  * hands its states (m, l, S, x_target of the thread's two rows: STATE_BN / 2 = 8 floats) to the next
  * cluster's piece, which folds the following tiles onto them, the same folds in the same order. */
-template <int BN>
+template <int BN, bool PARTS_IN = false>
 struct logp_fold {
     using OutT = float; /* nothing is stored through the out map */
     using Params = logp_sm90_params;
     static constexpr int TILES_PER_UNIT = LOGP_SPLIT_COLS / BN, CHAIN = LOGP_CHAIN, STATE_BN = 16;
     static constexpr bool STORES_TILES = false, PAIR_TAIL = false, STREAM_K = true, K_CHAINS = false;
-    static constexpr bool TRANSPOSED = false, PARTS = false;
+    static constexpr bool TRANSPOSED = false, PARTS = PARTS_IN; /* PARTS: the fp32 forward's planes */
     static_assert(LOGP_SPLIT_COLS % BN == 0, "a split is whole tiles");
     static __device__ __forceinline__ logp_row_states begin(int row0, const gemm_sm90_params &p,
                                                             const logp_sm90_params &lp) {
@@ -254,20 +255,22 @@ static rlk_gemm_args product_args(const void *hidden, int64_t ldh, const void *w
     return g;
 }
 
-/* The fold of hidden [rows, D] @ weight[cols, D]^T (16-bit, bias [cols] or NULL) into the partial states
- * of its ceil(cols / LOGP_SPLIT_COLS) splits, partials[split * rows + row]; the targets count from
- * vocabulary column v0 (a multiple of LOGP_SPLIT_COLS, so the splits are the whole vocabulary's). 128 x 192
- * tiles, 2-CTA clusters, 5 stages: the fresh k-slice chains need a second set of accumulator registers,
- * which the 128 x 256 config cannot afford; at 192 both sets (2 x 96) fit under the consumers' setmaxnreg
- * 232, and a wider tile needs less shared-memory bandwidth per FLOP than 128 x 128 (docs/perf-notes.md,
- * "linear_logp forward on SM90"). ptxas spills ~40 values around the fold with a bias or columns past V,
- * after the k loop; the fold without them (fold_logits_tile's common case) spills none. 4 tiles per
- * vocabulary split. slots: stream_k_workspace_bytes(logp_fold<192>::STATE_BN, 2, num_sms). */
+/* The fold of hidden [rows, K] @ weight[cols, K]^T (16-bit, bias [cols] or NULL; PARTS: the bf16 planes of
+ * fp32 operands, below) into the partial states of its ceil(cols / LOGP_SPLIT_COLS) splits,
+ * partials[split * rows + row]; the targets count from vocabulary column v0 (a multiple of LOGP_SPLIT_COLS,
+ * so the splits are the whole vocabulary's). 128 x 192 tiles, 2-CTA clusters, 5 stages: the fresh k-slice
+ * chains need a second set of accumulator registers, which the 128 x 256 config cannot afford; at 192 both
+ * sets (2 x 96) fit under the consumers' setmaxnreg 232, and a wider tile needs less shared-memory bandwidth
+ * per FLOP than 128 x 128 (docs/perf-notes.md, "linear_logp forward on SM90"). ptxas spills ~40 values
+ * around the fold with a bias or columns past V, after the k loop; the fold without them
+ * (fold_logits_tile's common case) spills none. 4 tiles per vocabulary split. slots:
+ * stream_k_workspace_bytes(logp_fold<192>::STATE_BN, 2, num_sms). */
+template <bool PARTS>
 static int launch_logp_fold(const void *hidden, int64_t ldh, const void *weight, int64_t ldw, int64_t rows,
-                            int64_t cols, int64_t D, bool bf16, const void *bias, const int64_t *target, int64_t v0,
+                            int64_t cols, int64_t K, bool bf16, const void *bias, const int64_t *target, int64_t v0,
                             float inv_temperature, float4 *partials, float *slots, int device, int num_sms,
                             cudaStream_t s) {
-    const rlk_gemm_args g = product_args(hidden, ldh, weight, ldw, rows, cols, D, bf16 ? RLK_BF16 : RLK_F16, RLK_F32);
+    const rlk_gemm_args g = product_args(hidden, ldh, weight, ldw, rows, cols, K, bf16 ? RLK_BF16 : RLK_F16, RLK_F32);
     gemm_sm90_params p = gemm_params(&g);
     p.stream_k = 1; /* when the last round of units is partly empty (launch_gemm_sm90) */
     p.partials = slots;
@@ -279,6 +282,9 @@ static int launch_logp_fold(const void *hidden, int64_t ldh, const void *weight,
     lp.partials = partials;
     lp.scale_log2 = inv_temperature * LOG2E;
     /* launch_gemm_sm90<BN, CONSUMERS, A_ROWS, STAGES, SLICES, CLUSTER, A_MN, B_MN, BF16, Epilogue> */
+    if constexpr (PARTS)
+        return launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, true, logp_fold<192, true>>(&g, p, lp, device,
+                                                                                             num_sms, s);
     return bf16 ? launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, true, logp_fold<192>>(&g, p, lp, device, num_sms, s)
                 : launch_gemm_sm90<192, 2, 64, 5, 1, 2, false, false, false, logp_fold<192>>(&g, p, lp, device, num_sms,
                                                                                              s);
@@ -286,18 +292,15 @@ static int launch_logp_fold(const void *hidden, int64_t ldh, const void *weight,
 
 /* ------------------------------ fp32 inputs: three bf16 parts each ------------------------------ */
 /* An fp32 x is hi + mid + lo exactly (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid), round to
- * nearest; the subtractions are exact, and three 8-bit parts cover fp32's 24). The product of two fp32
- * values is then the sum of six exact bf16 products, leaving out mid lo, lo mid and lo lo (below 2^-24 of
- * |x y| together, less than fp32's own rounding of x y):
- *   x y ~ lo_x hi_y + hi_x lo_y + mid_x mid_y + mid_x hi_y + hi_x mid_y + hi_x hi_y,
- * smallest first. So hidden @ weight^T is one 16-bit product over K = 6 D + tail: hidden's parts in the
- * blocks of parts_plane (gemm_kernel.cuh; hidden is its A side, weight its B side), each D long, and with a bias the tail
- * [1, 1, 1] x [lo, mid, hi of bias], padded with zeros to a multiple of 8. The logits are the bf16
- * forward's fold over it (fresh 512-long wgmma chains added in fp32), never TF32; docs/operators/
- * linear_logp.md gives the error against fp64 beside the fp32 FFMA path's. */
-#define FP32_PARTS_BYTES (256ll << 20) /* hidden's parts of a row block (half at most) + weight's of a chunk */
-
-static int64_t fp32_parts_k(int64_t D, bool bias) { return (PARTS_BLOCKS * D + (bias ? 3 : 0) + 7) / 8 * 8; }
+ * nearest; the subtractions are exact, and three 8-bit parts cover fp32's 24), and the product of two fp32
+ * matrices is the PARTS product of their bf16 planes (gemm_kernel.cuh: six exact bf16 products, smallest
+ * first, in fp32 chains of 512; never TF32). Both passes take hidden and weight as planes [3][rows][ld] of
+ * K = D + 1 columns with a bias, D without: the column past D holds 1 in hidden's planes (hi 1, mid and lo
+ * 0) and bias[v] in weight's, so that hidden . weight[v] + bias[v] is one product, the bias's parts inside
+ * the chains. The forward folds it as the bf16 forward does; the backward's dz kernel forms the same z
+ * (the same k sequence and chains), and its dH and dW read the planes' first D columns.
+ * docs/operators/linear_logp.md gives the error against fp64 beside the fp32 FFMA path's. */
+#define FP32_PARTS_BYTES (256ll << 20) /* forward: hidden's planes of a row block (half at most) + weight's of a chunk */
 
 __device__ __forceinline__ void fp32_parts(float x, __nv_bfloat16 (&part)[3]) {
     part[0] = __float2bfloat16_rn(x);
@@ -306,44 +309,48 @@ __device__ __forceinline__ void fp32_parts(float x, __nv_bfloat16 (&part)[3]) {
     part[2] = __float2bfloat16_rn(__fsub_rn(r, __bfloat162float(part[1])));
 }
 
-/* One block per row: x [rows, D] (row stride ld) -> parts [rows, K] (fp32_parts_k). The tail: hidden's
- * [1, 1, 1] (bias given), weight's [lo, mid, hi] of bias[row], then zeros. */
-template <bool WEIGHT>
-__global__ void fp32_parts_kernel(const float *__restrict__ x, int64_t ld, int64_t D, int64_t K,
-                                  const float *__restrict__ bias, __nv_bfloat16 *__restrict__ parts) {
+/* x [rows, cols] fp32 (row stride ld) -> planes[q][row][col], q = 0 hi, 1 mid, 2 lo (fp32_parts), row stride
+ * ld_planes, plane stride rows x ld_planes: a PARTS operand. With tail, column `cols` too, holding
+ * tail_values[row] (NULL: 1). One block per row. */
+__global__ void fp32_planes_kernel(const float *__restrict__ x, int64_t ld, int64_t cols, bool tail,
+                                   const float *__restrict__ tail_values, int64_t ld_planes, int64_t plane_stride,
+                                   __nv_bfloat16 *__restrict__ planes) {
     const int64_t row = blockIdx.x;
     const float *xr = x + row * ld;
-    __nv_bfloat16 *out = parts + row * K;
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    __nv_bfloat16 *out = planes + row * ld_planes;
+    for (int64_t c = threadIdx.x; c < cols + tail; c += blockDim.x) {
         __nv_bfloat16 part[3];
-        fp32_parts(xr[d], part);
+        fp32_parts(c < cols ? xr[c] : tail_values != nullptr ? tail_values[row] : 1.f, part);
 #pragma unroll
-        for (int b = 0; b < PARTS_BLOCKS; ++b) out[b * D + d] = part[parts_plane(WEIGHT, b)];
-    }
-    for (int64_t k = PARTS_BLOCKS * D + threadIdx.x; k < K; k += blockDim.x) {
-        const int64_t i = k - PARTS_BLOCKS * D;
-        __nv_bfloat16 v = __float2bfloat16_rn(0.f);
-        if (bias != nullptr && i < 3) {
-            __nv_bfloat16 part[3];
-            fp32_parts(bias[row], part);
-            v = WEIGHT ? part[2 - i] : __float2bfloat16_rn(1.f);
-        }
-        out[k] = v;
+        for (int q = 0; q < 3; ++q) out[q * plane_stride + c] = part[q];
     }
 }
 
-/* The fp32 forward's plan: equal blocks of rows, as few as keep hidden's parts within half of
- * FP32_PARTS_BYTES, and chunks of as many whole splits as weight's parts fit in the rest (wide chunks:
+static int launch_fp32_planes(const float *x, int64_t ld, int64_t rows, int64_t cols, bool tail,
+                              const float *tail_values, int64_t ld_planes, __nv_bfloat16 *planes, cudaStream_t s) {
+    fp32_planes_kernel<<<(unsigned)rows, 256, 0, s>>>(x, ld, cols, tail, tail_values, ld_planes, rows * ld_planes,
+                                                      planes);
+    return (int)cudaGetLastError();
+}
+
+/* The planes' columns (D, + 1 for the bias) and row stride (whole 16 bytes, as TMA needs). */
+static int64_t fp32_planes_k(const void *bias, int64_t D) { return D + (bias != nullptr); }
+static int64_t fp32_planes_ld(const void *bias, int64_t D) { return (fp32_planes_k(bias, D) + 7) / 8 * 8; }
+
+/* The fp32 forward's plan: equal blocks of rows, as few as keep hidden's planes within half of
+ * FP32_PARTS_BYTES, and chunks of as many whole splits as weight's planes fit in the rest (wide chunks:
  * each is one launch, whose last round of units is partly empty). */
 typedef struct fp32_plan {
-    int64_t K, block_rows, chunk_cols;
+    int64_t K, ld, block_rows, chunk_cols;
     int64_t partial_bytes, slot_bytes, hidden_bytes, weight_bytes;
 } fp32_plan;
 
 static fp32_plan plan_fp32(const rlk_linear_logp_args *args, int num_sms) {
     fp32_plan f;
-    f.K = fp32_parts_k(args->D, args->bias != nullptr);
-    const int64_t row_bytes = 2 * f.K, max_rows = FP32_PARTS_BYTES / 2 / row_bytes < 128 ? 128 : FP32_PARTS_BYTES / 2 / row_bytes;
+    f.K = fp32_planes_k(args->bias, args->D);
+    f.ld = fp32_planes_ld(args->bias, args->D);
+    const int64_t row_bytes = 6 * f.ld;
+    const int64_t max_rows = FP32_PARTS_BYTES / 2 / row_bytes < 128 ? 128 : FP32_PARTS_BYTES / 2 / row_bytes;
     const int64_t blocks = (args->N + max_rows - 1) / max_rows;
     f.block_rows = (args->N + blocks - 1) / blocks;
     const int64_t splits = (FP32_PARTS_BYTES - f.block_rows * row_bytes) / row_bytes / LOGP_SPLIT_COLS;
@@ -365,34 +372,32 @@ static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, rlk_context *c
     char *ws = (char *)args->workspace;
     float4 *partials = (float4 *)ws;
     float *slots = (float *)(ws + f.partial_bytes);
-    __nv_bfloat16 *hidden_parts = (__nv_bfloat16 *)(ws + f.partial_bytes + f.slot_bytes);
-    __nv_bfloat16 *weight_parts = (__nv_bfloat16 *)(ws + f.partial_bytes + f.slot_bytes + f.hidden_bytes);
+    __nv_bfloat16 *hidden_planes = (__nv_bfloat16 *)(ws + f.partial_bytes + f.slot_bytes);
+    __nv_bfloat16 *weight_planes = (__nv_bfloat16 *)(ws + f.partial_bytes + f.slot_bytes + f.hidden_bytes);
     const float *hidden = (const float *)args->hidden, *weight = (const float *)args->weight;
     const float *bias = (const float *)args->bias;
     const cudaStream_t s = (cudaStream_t)ctx->stream;
     for (int64_t r0 = 0; r0 < args->N; r0 += f.block_rows) {
         const int64_t rows = args->N - r0 < f.block_rows ? args->N - r0 : f.block_rows;
-        fp32_parts_kernel<false><<<(unsigned)rows, 256, 0, s>>>(hidden + r0 * args->ldh, args->ldh, args->D, f.K,
-                                                                 bias, hidden_parts);
-        for (int64_t v0 = 0; v0 < args->V; v0 += f.chunk_cols) {
+        int rc = launch_fp32_planes(hidden + r0 * args->ldh, args->ldh, rows, args->D, bias != nullptr, nullptr, f.ld,
+                                    hidden_planes, s);
+        for (int64_t v0 = 0; rc == RLK_OK && v0 < args->V; v0 += f.chunk_cols) {
             const int64_t cols = args->V - v0 < f.chunk_cols ? args->V - v0 : f.chunk_cols;
-            fp32_parts_kernel<true><<<(unsigned)cols, 256, 0, s>>>(weight + v0 * args->ldw, args->ldw, args->D, f.K,
-                                                                    bias != nullptr ? bias + v0 : nullptr,
-                                                                    weight_parts);
-            const cudaError_t err = cudaGetLastError();
-            if (err != cudaSuccess) return (int)err;
-            const int rc = launch_logp_fold(hidden_parts, f.K, weight_parts, f.K, rows, cols, f.K, true, nullptr,
+            rc = launch_fp32_planes(weight + v0 * args->ldw, args->ldw, cols, args->D, bias != nullptr,
+                                    bias != nullptr ? bias + v0 : nullptr, f.ld, weight_planes, s);
+            if (rc == RLK_OK)
+                rc = launch_logp_fold<true>(hidden_planes, f.ld, weight_planes, f.ld, rows, cols, f.K, true, nullptr,
                                             args->target + r0, v0, args->inv_temperature,
                                             partials + v0 / LOGP_SPLIT_COLS * rows, slots, device, num_sms, s);
-            if (rc != RLK_OK) return rc;
         }
+        if (rc != RLK_OK) return rc;
         rlk_linear_logp_args block = *args;
         block.N = rows;
         block.target = args->target + r0;
         block.logp = args->logp + r0;
         block.entropy = args->entropy != nullptr ? args->entropy + r0 : nullptr;
         block.lse = args->lse + r0;
-        const int rc = launch_linear_logp_merge(&block, partials, s);
+        rc = launch_linear_logp_merge(&block, partials, s);
         if (rc != RLK_OK) return rc;
     }
     return RLK_OK;
@@ -419,7 +424,7 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_co
     }
     float4 *partials = (float4 *)args->workspace;
     const cudaStream_t s = (cudaStream_t)ctx->stream;
-    const int rc = launch_logp_fold(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, bf16,
+    const int rc = launch_logp_fold<false>(args->hidden, args->ldh, args->weight, args->ldw, args->N, args->V, args->D, bf16,
                                     args->bias, args->target, 0, args->inv_temperature, partials,
                                     (float *)((char *)args->workspace + partial_bytes), device, num_sms, s);
     if (rc != RLK_OK) return rc;
@@ -469,44 +474,24 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
 }
 
 /* ------------------------- fp32 backward: every product on bf16 parts ------------------------- */
-/* With fp32 inputs the backward's three products run as PARTS products of gemm_kernel.cuh (bf16 planes
- * hi, mid, lo of each fp32 operand, six exact bf16 products summed in fp32 chains of 512; never TF32),
- * per block of rows and vocabulary chunk:
+/* With fp32 inputs the backward's three products run as PARTS products on the planes above, per block of
+ * rows and vocabulary chunk:
  *   planes(H_block); then for each chunk c of fp32_bwd_chunk(D, V) columns, in increasing order:
- *     planes(W_c); dz = dlogits(H_block W_c^T + b_c), fp32 (192-wide tiles); planes(dz); db_c += column
- *     sums of dz (rows in order); dH_block (+)= dz W_c into grad_hidden; dW_c (+)= dz^T H_block into
- *     grad_weight (accumulated over the blocks).
+ *     planes(W_c); dz = dlogits(z) in fp32, z the forward's logits (192-wide tiles, the bias in the
+ *     planes); planes(dz); db_c += column sums of dz (rows in order); dH_block (+)= dz W_c into
+ *     grad_hidden; dW_c (+)= dz^T H_block into grad_weight (accumulated over the blocks).
  * A row's dH is the same sum of the same chunks whatever the blocks (the GEMMs' rows are batch-invariant,
  * the chunks depend on D and V); dW and db add the blocks in order. */
-#define FP32_BWD_WEIGHT_BYTES (96ll << 20) /* weight's planes of one chunk */
+#define FP32_BWD_WEIGHT_BYTES (96ll << 20) /* weight's planes of one chunk, at most */
 
-/* Vocabulary columns per chunk: weight's planes (rows of ld_d) within FP32_BWD_WEIGHT_BYTES, in multiples of
- * 384 (whole 192-wide dz tiles and 128-row dW tiles), at most V. */
-static int64_t fp32_bwd_chunk(int64_t ld_d, int64_t V) {
-    const int64_t by_bytes = FP32_BWD_WEIGHT_BYTES / (6 * ld_d) / 384 * 384;
-    const int64_t chunk = by_bytes < 384 ? 384 : by_bytes;
+/* Vocabulary columns per chunk: as few chunks as keep weight's planes within FP32_BWD_WEIGHT_BYTES, of equal
+ * width rounded up to a multiple of 384 (whole 192-wide dz tiles and 128-row dW tiles; the last chunk
+ * takes what is left), at most V. */
+static int64_t fp32_bwd_chunk(const void *bias, int64_t D, int64_t V) {
+    int64_t max_chunk = FP32_BWD_WEIGHT_BYTES / (6 * fp32_planes_ld(bias, D)) / 384 * 384;
+    max_chunk = max_chunk < 384 ? 384 : max_chunk;
+    const int64_t chunks = (V + max_chunk - 1) / max_chunk, chunk = ((V + chunks - 1) / chunks + 383) / 384 * 384;
     return chunk < V ? chunk : V;
-}
-
-/* x [rows, cols] fp32 (row stride ld) -> planes[p][row][col], p = 0 hi, 1 mid, 2 lo (fp32_parts), row stride
- * ld_planes, plane stride rows x ld_planes: a PARTS operand (gemm_kernel.cuh). One block per row. */
-__global__ void fp32_planes_kernel(const float *__restrict__ x, int64_t ld, int64_t cols, int64_t ld_planes,
-                                   int64_t plane_stride, __nv_bfloat16 *__restrict__ planes) {
-    const int64_t row = blockIdx.x;
-    const float *xr = x + row * ld;
-    __nv_bfloat16 *out = planes + row * ld_planes;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        __nv_bfloat16 part[3];
-        fp32_parts(xr[c], part);
-#pragma unroll
-        for (int q = 0; q < 3; ++q) out[q * plane_stride + c] = part[q];
-    }
-}
-
-static int launch_fp32_planes(const float *x, int64_t ld, int64_t rows, int64_t cols, int64_t ld_planes,
-                              __nv_bfloat16 *planes, cudaStream_t s) {
-    fp32_planes_kernel<<<(unsigned)rows, 256, 0, s>>>(x, ld, cols, ld_planes, rows * ld_planes, planes);
-    return (int)cudaGetLastError();
 }
 
 /* db[c] += sum over rows r (in order) of dz[r][c]: one thread per column. */
@@ -520,27 +505,27 @@ __global__ void column_sums_kernel(const float *__restrict__ dz, int64_t ld, int
 }
 
 /* The fp32 backward's plan: the chunk, rows per block (as few equal blocks as fit, whole 128-row tiles
- * where that still fits) and where each buffer lies in the workspace. */
+ * where that still fits) and the sizes of the workspace's buffers. */
 typedef struct fp32_bwd_plan {
-    int64_t chunk, block, ld_d, ld_chunk;
+    int64_t chunk, block, K, ld, ld_chunk;
     int64_t slot_bytes, weight_bytes, hidden_bytes, dz_bytes, dz_planes_bytes, total_bytes;
 } fp32_bwd_plan;
 
 static bool plan_fp32_bwd(const rlk_linear_logp_bwd_args *args, int num_sms, fp32_bwd_plan *f) {
-    f->ld_d = (args->D + 7) / 8 * 8;
-    f->chunk = fp32_bwd_chunk(f->ld_d, args->V);
+    f->chunk = fp32_bwd_chunk(args->bias, args->D, args->V);
+    f->K = fp32_planes_k(args->bias, args->D);
+    f->ld = fp32_planes_ld(args->bias, args->D);
     f->ld_chunk = (f->chunk + 7) / 8 * 8;
     f->slot_bytes = (stream_k_workspace_bytes(192, 2, num_sms) + 255) / 256 * 256; /* the widest tiles' */
-    f->weight_bytes = (6 * f->chunk * f->ld_d + 255) / 256 * 256;
-    const int64_t row_bytes = 6 * f->ld_d + 10 * f->ld_chunk + 3 * 256; /* H's planes, dz, dz's planes */
-    const int64_t room = args->max_workspace_bytes - f->slot_bytes - f->weight_bytes;
-    const int64_t max_block = room / row_bytes;
+    f->weight_bytes = (6 * f->chunk * f->ld + 255) / 256 * 256;
+    const int64_t row_bytes = 6 * f->ld + 10 * f->ld_chunk + 3 * 256; /* H's planes, dz, dz's planes */
+    const int64_t max_block = (args->max_workspace_bytes - f->slot_bytes - f->weight_bytes) / row_bytes;
     if (max_block < 1) return false;
     const int64_t blocks = (args->N + max_block - 1) / max_block;
     int64_t block = (args->N + blocks - 1) / blocks;
     block = (block + 127) / 128 * 128 <= max_block ? (block + 127) / 128 * 128 : block;
     f->block = block > args->N ? args->N : block;
-    f->hidden_bytes = (6 * f->block * f->ld_d + 255) / 256 * 256;
+    f->hidden_bytes = (6 * f->block * f->ld + 255) / 256 * 256;
     f->dz_bytes = (4 * f->block * f->ld_chunk + 255) / 256 * 256;
     f->dz_planes_bytes = (6 * f->block * f->ld_chunk + 255) / 256 * 256;
     f->total_bytes = f->slot_bytes + f->weight_bytes + f->hidden_bytes + f->dz_bytes + f->dz_planes_bytes;
@@ -569,19 +554,16 @@ static int launch_parts_gemm(int64_t M, int64_t N, int64_t K, const __nv_bfloat1
         &g, p, gemm_value::Params{}, device, num_sms, s);
 }
 
-/* dz of the block's rows and the chunk at v0, fp32: the PARTS product of H's and W_c's planes with the
- * dlogits epilogue (z = acc + bias in fp32), on 128 x 192 tiles, clusters of 2, 4 stages. */
+/* dz of the block's rows and the chunk at v0, fp32: the PARTS product of H's and W_c's planes (z, the bias
+ * inside) with the dlogits epilogue, on 128 x 192 tiles, clusters of 2, 4 stages. */
 static int launch_parts_dlogits(const rlk_linear_logp_bwd_args *args, int64_t r0, int64_t rows, int64_t v0,
                                 int64_t cols, const fp32_bwd_plan &f, const __nv_bfloat16 *hidden_planes,
                                 const __nv_bfloat16 *weight_planes, float *dz, float *slots, int device,
                                 int num_sms, cudaStream_t s) {
-    rlk_gemm_args g = product_args(hidden_planes, f.ld_d, weight_planes, f.ld_d, rows, cols, args->D, RLK_BF16,
-                                   RLK_F32);
-    g.c = args->bias != nullptr ? (const float *)args->bias + v0 : nullptr;
-    g.ldc = 0;
+    rlk_gemm_args g = product_args(hidden_planes, f.ld, weight_planes, f.ld, rows, cols, f.K, RLK_BF16, RLK_F32);
     g.out = dz;
     g.ldo = f.ld_chunk;
-    g.alpha = g.beta = 1.0;
+    g.alpha = 1.0;
     gemm_sm90_params p = gemm_params(&g);
     p.stream_k = 1;
     p.partials = slots;
@@ -619,30 +601,33 @@ extern "C" int rlk_linear_logp_bwd_sm90(const rlk_linear_logp_bwd_args *args, rl
     float *dz = (float *)(ws + f.slot_bytes + f.weight_bytes + f.hidden_bytes);
     __nv_bfloat16 *dz_planes = (__nv_bfloat16 *)(ws + f.slot_bytes + f.weight_bytes + f.hidden_bytes + f.dz_bytes);
     const float *hidden = (const float *)args->hidden, *weight = (const float *)args->weight;
+    const float *bias = (const float *)args->bias;
     float *grad_hidden = (float *)args->grad_hidden, *grad_weight = (float *)args->grad_weight;
     const cudaStream_t s = (cudaStream_t)ctx->stream;
     int rc = RLK_OK;
     for (int64_t r0 = 0; rc == RLK_OK && r0 < args->N; r0 += f.block) {
         const int64_t rows = args->N - r0 < f.block ? args->N - r0 : f.block;
-        rc = launch_fp32_planes(hidden + r0 * args->ldh, args->ldh, rows, args->D, f.ld_d, hidden_planes, s);
+        rc = launch_fp32_planes(hidden + r0 * args->ldh, args->ldh, rows, args->D, bias != nullptr, nullptr, f.ld,
+                                hidden_planes, s);
         for (int64_t v0 = 0; rc == RLK_OK && v0 < args->V; v0 += f.chunk) {
             const int64_t cols = args->V - v0 < f.chunk ? args->V - v0 : f.chunk;
-            rc = launch_fp32_planes(weight + v0 * args->ldw, args->ldw, cols, args->D, f.ld_d, weight_planes, s);
+            rc = launch_fp32_planes(weight + v0 * args->ldw, args->ldw, cols, args->D, bias != nullptr,
+                                    bias != nullptr ? bias + v0 : nullptr, f.ld, weight_planes, s);
             if (rc == RLK_OK)
                 rc = launch_parts_dlogits(args, r0, rows, v0, cols, f, hidden_planes, weight_planes, dz, slots, device,
                                           num_sms, s);
-            if (rc == RLK_OK) rc = launch_fp32_planes(dz, f.ld_chunk, rows, cols, f.ld_chunk, dz_planes, s);
+            if (rc == RLK_OK) rc = launch_fp32_planes(dz, f.ld_chunk, rows, cols, false, nullptr, f.ld_chunk, dz_planes, s);
             if (rc == RLK_OK && args->grad_bias != nullptr) {
                 column_sums_kernel<<<(unsigned)((cols + 255) / 256), 256, 0, s>>>(dz, f.ld_chunk, rows, cols,
                                                                                args->grad_bias + v0);
                 rc = (int)cudaGetLastError();
             }
-            if (rc == RLK_OK) /* dH (+)= dz W_c */
-                rc = launch_parts_gemm<false>(rows, args->D, cols, dz_planes, f.ld_chunk, weight_planes, f.ld_d,
+            if (rc == RLK_OK) /* dH (+)= dz W_c: W_c's planes as [cols, D] */
+                rc = launch_parts_gemm<false>(rows, args->D, cols, dz_planes, f.ld_chunk, weight_planes, f.ld,
                                               grad_hidden + r0 * args->ld_grad_hidden, args->ld_grad_hidden, v0 > 0,
                                               slots, device, num_sms, s);
-            if (rc == RLK_OK) /* dW_c (+)= dz^T H */
-                rc = launch_parts_gemm<true>(cols, args->D, rows, dz_planes, f.ld_chunk, hidden_planes, f.ld_d,
+            if (rc == RLK_OK) /* dW_c (+)= dz^T H: H's planes as [rows, D] */
+                rc = launch_parts_gemm<true>(cols, args->D, rows, dz_planes, f.ld_chunk, hidden_planes, f.ld,
                                              grad_weight + v0 * args->ld_grad_weight, args->ld_grad_weight, r0 > 0,
                                              slots, device, num_sms, s);
         }
