@@ -256,8 +256,8 @@ def test_memory_stays_small_at_qwen3_head(n):
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_fp32_inputs_reach_fp32_accuracy(backend):
-    """fp32 never runs as TF32: sm80 on the FFMA GEMM, sm90 as bf16 parts (three per value, six
-    products, so one 16-bit product over K = 6 D + the bias's three)."""
+    """fp32 never runs as TF32: sm80 on the FFMA GEMM, sm90 as bf16 parts (three planes per operand,
+    six exact bf16 products in fp32 chains, the bias one more column of the planes)."""
     h, w, b, t = problem(700, 96, 9000, seed=60, bias=True)
     h, w, b = h.float(), w.float(), b.float()
     t[3] = -100
