@@ -45,7 +45,7 @@
  * and the same adds, so the split may depend on M (it fills the last wave: at M = 209 the head's
  * dX, K = 151936, is 32 tiles). The counter only picks which CTA adds; it orders nothing.
  *
- * fp32 operands as bf16 parts (Epilogue::PARTS: the fp32 linear_logp backward, sm90/linear_logp.cu). An fp32
+ * fp32 operands as bf16 parts (Epilogue::PARTS: both fp32 linear_logp passes, sm90/linear_logp.cu). An fp32
  * x is hi + mid + lo exactly (each part bf16 of what the previous ones leave), and a product x y is the six
  * exact bf16 products parts_plane pairs up, smallest first, leaving out mid lo, lo mid and lo lo (below
  * 2^-24 |x y| together, under fp32's own rounding of x y). Each operand comes as three bf16 planes [3][outer]

@@ -554,6 +554,10 @@ static int launch_parts_gemm(int64_t M, int64_t N, int64_t K, const __nv_bfloat1
         &g, p, gemm_value::Params{}, device, num_sms, s);
 }
 
+/* The dz kernel's z is the forward's logits bit for bit only with the same k sequence: the same chains. */
+static_assert(store_parts_tiles<float, dlogits_value>::CHAIN == logp_fold<192, true>::CHAIN,
+              "the fp32 backward's chains must be the forward's");
+
 /* dz of the block's rows and the chunk at v0, fp32: the PARTS product of H's and W_c's planes (z, the bias
  * inside) with the dlogits epilogue, on 128 x 192 tiles, clusters of 2, 4 stages. */
 static int launch_parts_dlogits(const rlk_linear_logp_bwd_args *args, int64_t r0, int64_t rows, int64_t v0,
