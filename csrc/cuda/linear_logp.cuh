@@ -94,8 +94,14 @@ static __device__ __forceinline__ void quad_tile_state(const float (&x)[NC][2], 
     S += __shfl_xor_sync(0xffffffffu, S, 2);
 }
 
+#define LOGP_MERGE_BATCH 8 /* partial states a thread has in flight: the loads of a batch overlap */
+
 /* One thread per row: fold the splits in increasing order, then finish logp / entropy / lse.
- * Ignored rows give 0, 0, 0; an out-of-range target gives NaN and stores 1 to *bad_target. */
+ * Ignored rows give 0, 0, 0; an out-of-range target gives NaN and stores 1 to *bad_target.
+ * A batch's partials are all loaded before any of them is folded (the fold's order is unchanged), so a
+ * row's L2 round trips are ceil(splits / LOGP_MERGE_BATCH), not one per split. On sm90 the kernel is
+ * launched as a programmatic dependent of the fold (launch_linear_logp_merge): it starts while the fold's
+ * last CTAs run and waits (griddepcontrol.wait) for its end before reading the partials. */
 static __global__ void linear_logp_merge_kernel(const float4 *__restrict__ partials, int64_t N,
                                                 int64_t V, int splits,
                                                 const int64_t *__restrict__ target,
@@ -103,8 +109,11 @@ static __global__ void linear_logp_merge_kernel(const float4 *__restrict__ parti
                                                 float *__restrict__ entropy,
                                                 float *__restrict__ lse, int32_t *bad_target) {
     const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t t = n < N ? target[n] : ignore_index; /* an input: read before the fold ends */
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     if (n >= N) return;
-    const int64_t t = target[n];
     float out_logp, out_entropy, out_lse;
     if (t == ignore_index) {
         out_logp = out_entropy = out_lse = 0.0f;
@@ -113,9 +122,14 @@ static __global__ void linear_logp_merge_kernel(const float4 *__restrict__ parti
         if (bad_target != nullptr) *bad_target = 1;
     } else {
         float m = LOGP_EMPTY_MAX, l = 0.0f, S = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const float4 p = partials[(int64_t)s * N + n];
-            softmax_state_merge(m, l, S, p.x, p.y, p.z);
+        for (int s0 = 0; s0 < splits; s0 += LOGP_MERGE_BATCH) {
+            float4 p[LOGP_MERGE_BATCH];
+#pragma unroll
+            for (int i = 0; i < LOGP_MERGE_BATCH; ++i)
+                if (s0 + i < splits) p[i] = partials[(int64_t)(s0 + i) * N + n];
+#pragma unroll
+            for (int i = 0; i < LOGP_MERGE_BATCH; ++i)
+                if (s0 + i < splits) softmax_state_merge(m, l, S, p[i].x, p[i].y, p[i].z);
         }
         const float x_target = partials[(t / LOGP_SPLIT_COLS) * N + n].w;
         const float log2_l = log2f(l);
@@ -128,15 +142,24 @@ static __global__ void linear_logp_merge_kernel(const float4 *__restrict__ parti
     if (entropy != nullptr) entropy[n] = out_entropy;
 }
 
-/* Launches the merge of the partials in workspace into args' logp / entropy / lse. */
-static inline int launch_linear_logp_merge(const rlk_linear_logp_args *args,
-                                           const float4 *partials, cudaStream_t stream) {
+/* Launches the merge of the partials in workspace into args' logp / entropy / lse; with dependent (sm90),
+ * as a programmatic dependent of the kernel before it on the stream, which must be the fold that wrote
+ * the partials (its launch and start-up then overlap the fold's last round). */
+static inline int launch_linear_logp_merge(const rlk_linear_logp_args *args, const float4 *partials,
+                                           bool dependent, cudaStream_t stream) {
     const int threads = 256;
-    linear_logp_merge_kernel<<<(unsigned)((args->N + threads - 1) / threads), threads, 0,
-                               stream>>>(partials, args->N, args->V, (int)logp_splits(args->V),
-                                         args->target, args->ignore_index, args->logp,
-                                         args->entropy, args->lse, args->bad_target);
-    return (int)cudaGetLastError();
+    cudaLaunchAttribute programmatic;
+    programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    programmatic.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3((unsigned)((args->N + threads - 1) / threads));
+    config.blockDim = dim3(threads);
+    config.stream = stream;
+    config.attrs = &programmatic;
+    config.numAttrs = dependent ? 1 : 0;
+    return (int)cudaLaunchKernelEx(&config, linear_logp_merge_kernel, partials, args->N, args->V,
+                                   (int)logp_splits(args->V), args->target, args->ignore_index, args->logp,
+                                   args->entropy, args->lse, args->bad_target);
 }
 
 #endif /* RLK_CUDA_LINEAR_LOGP_CUH_ */

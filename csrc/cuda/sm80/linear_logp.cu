@@ -393,7 +393,7 @@ static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, float4 *partia
             if (err != cudaSuccess) return (int)err;
         }
     }
-    return launch_linear_logp_merge(args, partials, s);
+    return launch_linear_logp_merge(args, partials, false, s);
 }
 
 static int64_t partials_bytes(int64_t N, int64_t V) { return logp_splits(V) * N * (int64_t)sizeof(float4); }
@@ -439,7 +439,7 @@ extern "C" int rlk_linear_logp_fwd_sm80(const rlk_linear_logp_args *args, rlk_co
     else
         err = aligned ? launch_partial<false, true>(args, partials, grid, s) : launch_partial<false, false>(args, partials, grid, s);
     if (err != cudaSuccess) return (int)err;
-    return launch_linear_logp_merge(args, partials, s);
+    return launch_linear_logp_merge(args, partials, false, s);
 }
 
 /* ---------------------------------------------------------------------------------------------

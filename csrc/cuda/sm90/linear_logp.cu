@@ -397,7 +397,7 @@ static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, rlk_context *c
         block.logp = args->logp + r0;
         block.entropy = args->entropy != nullptr ? args->entropy + r0 : nullptr;
         block.lse = args->lse + r0;
-        rc = launch_linear_logp_merge(&block, partials, s);
+        rc = launch_linear_logp_merge(&block, partials, true, s);
         if (rc != RLK_OK) return rc;
     }
     return RLK_OK;
@@ -428,7 +428,7 @@ extern "C" int rlk_linear_logp_fwd_sm90(const rlk_linear_logp_args *args, rlk_co
                                     args->bias, args->target, 0, args->inv_temperature, partials,
                                     (float *)((char *)args->workspace + partial_bytes), device, num_sms, s);
     if (rc != RLK_OK) return rc;
-    return launch_linear_logp_merge(args, partials, s);
+    return launch_linear_logp_merge(args, partials, true, s);
 }
 
 /* The large tile config's main loop (the GEMM's z, bitwise) with the dlogits epilogue: z of the chunk never
