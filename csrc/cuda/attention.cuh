@@ -886,15 +886,10 @@ int launch_fwd(const rlk_attention_args *a, FwdSchedule schedule, cudaStream_t s
      * kernel and it waits (griddepcontrol.wait) only for that kernel's end; a B = 1 decode is a few
      * microseconds long, and this was one launch gap of it */
     constexpr int ROWS_PER_CTA = 128 / (D / 4);
-    cudaLaunchAttribute dependent;
-    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    dependent.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3((unsigned)((p.rows_total + ROWS_PER_CTA - 1) / ROWS_PER_CTA));
-    config.blockDim = dim3(128);
-    config.stream = stream;
-    config.attrs = &dependent;
-    config.numAttrs = dependent_combine && p.num_segments > 0 ? 1 : 0;
+    cudaLaunchAttribute programmatic;
+    const cudaLaunchConfig_t config =
+        launch_config_dependent(dim3((unsigned)((p.rows_total + ROWS_PER_CTA - 1) / ROWS_PER_CTA)), dim3(128), stream,
+                                dependent_combine && p.num_segments > 0, &programmatic);
     return (int)cudaLaunchKernelEx(&config, attention_combine_kernel<BF16, D>, p);
 }
 

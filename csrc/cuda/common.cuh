@@ -145,4 +145,21 @@ static inline cudaError_t current_device(int *device, int *num_sms) {
     return err;
 }
 
+/* A launch of grid x block threads on stream; with dependent, as a programmatic dependent of the kernel
+ * before it on the stream (sm90): its launch and start-up overlap that kernel's end, and it must
+ * griddepcontrol.wait before it reads what that kernel writes. *programmatic holds the attribute, so it
+ * must live until cudaLaunchKernelEx(&config, ...) is called. */
+static inline cudaLaunchConfig_t launch_config_dependent(dim3 grid, dim3 block, cudaStream_t stream, bool dependent,
+                                                         cudaLaunchAttribute *programmatic) {
+    programmatic->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    programmatic->val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.stream = stream;
+    config.attrs = programmatic;
+    config.numAttrs = dependent ? 1 : 0;
+    return config;
+}
+
 #endif /* RLK_CUDA_COMMON_CUH_ */

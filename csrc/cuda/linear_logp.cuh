@@ -149,14 +149,8 @@ static inline int launch_linear_logp_merge(const rlk_linear_logp_args *args, con
                                            bool dependent, cudaStream_t stream) {
     const int threads = 256;
     cudaLaunchAttribute programmatic;
-    programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    programmatic.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3((unsigned)((args->N + threads - 1) / threads));
-    config.blockDim = dim3(threads);
-    config.stream = stream;
-    config.attrs = &programmatic;
-    config.numAttrs = dependent ? 1 : 0;
+    const cudaLaunchConfig_t config = launch_config_dependent(dim3((unsigned)((args->N + threads - 1) / threads)),
+                                                              dim3(threads), stream, dependent, &programmatic);
     return (int)cudaLaunchKernelEx(&config, linear_logp_merge_kernel, partials, args->N, args->V,
                                    (int)logp_splits(args->V), args->target, args->ignore_index, args->logp,
                                    args->entropy, args->lse, args->bad_target);
