@@ -16,7 +16,8 @@
  *           at M <= 8: 4 x 16 with 8-row A slots), K-major B only;
  *   narrow x2: BM = 128 (2 consumers), BN = 96 / 64 / 48 / 32 / 16 (8 / 8 / 10 / 11 / 12 stages), no
  *           cluster (at M <= 128 the second CTA of a cluster would own only rows past M), K-major B
- *           except BN = 64; 64 wide also at 129-256 rows in place of tall when its tiles fit one wave.
+ *           except BN = 64; 64 wide also at 129-256 rows in place of tall when its tiles fit one wave and
+ *           K <= 8192.
  *   Every config but narrow stages one 64-wide k-slice at a time. Narrow tiles stream weights, and
  *   bigger stages stream them faster (docs/perf-notes.md "Decode GEMMs: bytes per stage"; narrow x2:
  *   measured no faster).
@@ -76,6 +77,9 @@ static const int config_step_ns[CONFIG_WIDE + 1] = {197, 126, 74, 106, 177};
  * the flag memset. So it pays where the last wave of whole tiles is less than about half full. */
 #define STREAM_K_EXTRA_WAVES 0.45
 #define STREAM_K_FIXED_NS 2000.0
+/* The tall tiles at 129-256 rows run without their cluster up to this K (choose_plan: measured at K = 4096
+ * faster, at 12288 slower on the H100) */
+#define NO_CLUSTER_MAX_K 8192
 
 /* K chains (gemm_kernel.cuh): from K = 65536 on, the k-slices are cut into K_CHAIN_COUNT chains of equal
  * length (the last one shorter) summed in order, at every M of the shape: a function of K alone. The
@@ -239,11 +243,14 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
             best_tiles = tiles;
         }
     }
-    /* 129 to 256 rows whose tall tiles fit in one wave (q / o / down at decode batches 200 and 256): the same
-     * tiles without the cluster, whose B multicast measured slower there than each CTA reading B from L2
-     * (H200, perf-notes "Decode GEMMs: a forced-plan sweep on the H200"): q / o at 200 rows 22.5 -> 20.9 us,
-     * down 52.2 -> 48.5 */
-    if (best.config == CONFIG_TALL && !best.stream_k && M <= 256 && chains == 1 && best_tiles <= num_sms)
+    /* 129 to 256 rows whose tall tiles fit in one wave and K is at most NO_CLUSTER_MAX_K (q / o at decode
+     * batches 200 and 256): the same tiles without the cluster, whose B multicast measured slower there than
+     * each CTA reading B from L2: q / o at 200 rows 22.5 -> 20.9 us on the H200 (perf-notes "Decode GEMMs: a
+     * forced-plan sweep on the H200"), 23.4 -> 21.5 on the H100. At K = 12288 (down) the devices disagree:
+     * without the cluster the H200 ran 5-12% faster, the H100 8-13% slower at 200-256 rows (53 -> 57-60 us,
+     * perf-notes "Session 37"); issue 12's targets are the H100's, so long K keeps the cluster. */
+    if (best.config == CONFIG_TALL && !best.stream_k && M <= 256 && K <= NO_CLUSTER_MAX_K && chains == 1 &&
+        best_tiles <= num_sms)
         best.config = CONFIG_NARROW64_X2;
     /* swapped operands at the other shapes (SWAP_ANY_MIN_M above) */
     if (swappable && chains == 1 && !head_like && M >= SWAP_ANY_MIN_M) {
