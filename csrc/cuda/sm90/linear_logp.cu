@@ -476,7 +476,7 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
 /* ------------------------- fp32 backward: every product on bf16 parts ------------------------- */
 /* With fp32 inputs the backward's three products run as PARTS products on the planes above, per block of
  * rows and vocabulary chunk:
- *   planes(H_block); then for each chunk c of fp32_bwd_chunk(D, V) columns, in increasing order:
+ *   planes(H_block); then for each chunk c of fp32_bwd_chunk(bias, D, V) columns, in increasing order:
  *     planes(W_c); dz = dlogits(z) in fp32, z the forward's logits (192-wide tiles, the bias in the
  *     planes); planes(dz); db_c += column sums of dz (rows in order); dH_block (+)= dz W_c into
  *     grad_hidden; dW_c (+)= dz^T H_block into grad_weight (accumulated over the blocks).
