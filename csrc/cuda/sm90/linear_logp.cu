@@ -333,9 +333,24 @@ static int launch_fp32_planes(const float *x, int64_t ld, int64_t rows, int64_t 
     return (int)cudaGetLastError();
 }
 
+/* The forward's logits and the backward's z are one product bit for bit only when both build their planes
+ * alike, so both build them here. Hidden's rows r0.. with the bias's 1 column; weight's rows v0.. with the
+ * bias's values there (no bias: neither has the column). */
+static int launch_hidden_planes(const float *hidden, int64_t ldh, int64_t r0, int64_t rows, int64_t D,
+                                const float *bias, int64_t ld_planes, __nv_bfloat16 *planes, cudaStream_t s) {
+    return launch_fp32_planes(hidden + r0 * ldh, ldh, rows, D, bias != nullptr, nullptr, ld_planes, planes, s);
+}
+static int launch_weight_planes(const float *weight, int64_t ldw, int64_t v0, int64_t cols, int64_t D,
+                                const float *bias, int64_t ld_planes, __nv_bfloat16 *planes, cudaStream_t s) {
+    return launch_fp32_planes(weight + v0 * ldw, ldw, cols, D, bias != nullptr, bias != nullptr ? bias + v0 : nullptr,
+                              ld_planes, planes, s);
+}
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 /* The planes' columns (D, + 1 for the bias) and row stride (whole 16 bytes, as TMA needs). */
 static int64_t fp32_planes_k(const void *bias, int64_t D) { return D + (bias != nullptr); }
-static int64_t fp32_planes_ld(const void *bias, int64_t D) { return (fp32_planes_k(bias, D) + 7) / 8 * 8; }
+static int64_t fp32_planes_ld(const void *bias, int64_t D) { return round_up(fp32_planes_k(bias, D), 8); }
 
 /* The fp32 forward's plan: equal blocks of rows, as few as keep hidden's planes within half of
  * FP32_PARTS_BYTES, and chunks of as many whole splits as weight's planes fit in the rest (wide chunks:
@@ -356,9 +371,9 @@ static fp32_plan plan_fp32(const rlk_linear_logp_args *args, int num_sms) {
     const int64_t splits = (FP32_PARTS_BYTES - f.block_rows * row_bytes) / row_bytes / LOGP_SPLIT_COLS;
     f.chunk_cols = (splits < 1 ? 1 : splits) * LOGP_SPLIT_COLS;
     if (f.chunk_cols > args->V) f.chunk_cols = args->V;
-    f.partial_bytes = (logp_splits(args->V) * f.block_rows * (int64_t)sizeof(float4) + 255) / 256 * 256;
-    f.slot_bytes = (stream_k_workspace_bytes(logp_fold<192>::STATE_BN, 2, num_sms) + 255) / 256 * 256;
-    f.hidden_bytes = (f.block_rows * row_bytes + 255) / 256 * 256;
+    f.partial_bytes = round_up(logp_splits(args->V) * f.block_rows * (int64_t)sizeof(float4), 256);
+    f.slot_bytes = round_up(stream_k_workspace_bytes(logp_fold<192>::STATE_BN, 2, num_sms), 256);
+    f.hidden_bytes = round_up(f.block_rows * row_bytes, 256);
     f.weight_bytes = f.chunk_cols * row_bytes;
     return f;
 }
@@ -379,12 +394,10 @@ static int linear_logp_fwd_fp32(const rlk_linear_logp_args *args, rlk_context *c
     const cudaStream_t s = (cudaStream_t)ctx->stream;
     for (int64_t r0 = 0; r0 < args->N; r0 += f.block_rows) {
         const int64_t rows = args->N - r0 < f.block_rows ? args->N - r0 : f.block_rows;
-        int rc = launch_fp32_planes(hidden + r0 * args->ldh, args->ldh, rows, args->D, bias != nullptr, nullptr, f.ld,
-                                    hidden_planes, s);
+        int rc = launch_hidden_planes(hidden, args->ldh, r0, rows, args->D, bias, f.ld, hidden_planes, s);
         for (int64_t v0 = 0; rc == RLK_OK && v0 < args->V; v0 += f.chunk_cols) {
             const int64_t cols = args->V - v0 < f.chunk_cols ? args->V - v0 : f.chunk_cols;
-            rc = launch_fp32_planes(weight + v0 * args->ldw, args->ldw, cols, args->D, bias != nullptr,
-                                    bias != nullptr ? bias + v0 : nullptr, f.ld, weight_planes, s);
+            rc = launch_weight_planes(weight, args->ldw, v0, cols, args->D, bias, f.ld, weight_planes, s);
             if (rc == RLK_OK)
                 rc = launch_logp_fold<true>(hidden_planes, f.ld, weight_planes, f.ld, rows, cols, f.K, true, nullptr,
                                             args->target + r0, v0, args->inv_temperature,
@@ -515,19 +528,19 @@ static bool plan_fp32_bwd(const rlk_linear_logp_bwd_args *args, int num_sms, fp3
     f->chunk = fp32_bwd_chunk(args->bias, args->D, args->V);
     f->K = fp32_planes_k(args->bias, args->D);
     f->ld = fp32_planes_ld(args->bias, args->D);
-    f->ld_chunk = (f->chunk + 7) / 8 * 8;
-    f->slot_bytes = (stream_k_workspace_bytes(192, 2, num_sms) + 255) / 256 * 256; /* the widest tiles' */
-    f->weight_bytes = (6 * f->chunk * f->ld + 255) / 256 * 256;
+    f->ld_chunk = round_up(f->chunk, 8);
+    f->slot_bytes = round_up(stream_k_workspace_bytes(192, 2, num_sms), 256); /* the widest tiles' */
+    f->weight_bytes = round_up(6 * f->chunk * f->ld, 256);
     const int64_t row_bytes = 6 * f->ld + 10 * f->ld_chunk + 3 * 256; /* H's planes, dz, dz's planes */
     const int64_t max_block = (args->max_workspace_bytes - f->slot_bytes - f->weight_bytes) / row_bytes;
     if (max_block < 1) return false;
     const int64_t blocks = (args->N + max_block - 1) / max_block;
     int64_t block = (args->N + blocks - 1) / blocks;
-    block = (block + 127) / 128 * 128 <= max_block ? (block + 127) / 128 * 128 : block;
+    block = round_up(block, 128) <= max_block ? round_up(block, 128) : block;
     f->block = block > args->N ? args->N : block;
-    f->hidden_bytes = (6 * f->block * f->ld + 255) / 256 * 256;
-    f->dz_bytes = (4 * f->block * f->ld_chunk + 255) / 256 * 256;
-    f->dz_planes_bytes = (6 * f->block * f->ld_chunk + 255) / 256 * 256;
+    f->hidden_bytes = round_up(6 * f->block * f->ld, 256);
+    f->dz_bytes = round_up(4 * f->block * f->ld_chunk, 256);
+    f->dz_planes_bytes = round_up(6 * f->block * f->ld_chunk, 256);
     f->total_bytes = f->slot_bytes + f->weight_bytes + f->hidden_bytes + f->dz_bytes + f->dz_planes_bytes;
     return true;
 }
@@ -611,12 +624,10 @@ extern "C" int rlk_linear_logp_bwd_sm90(const rlk_linear_logp_bwd_args *args, rl
     int rc = RLK_OK;
     for (int64_t r0 = 0; rc == RLK_OK && r0 < args->N; r0 += f.block) {
         const int64_t rows = args->N - r0 < f.block ? args->N - r0 : f.block;
-        rc = launch_fp32_planes(hidden + r0 * args->ldh, args->ldh, rows, args->D, bias != nullptr, nullptr, f.ld,
-                                hidden_planes, s);
+        rc = launch_hidden_planes(hidden, args->ldh, r0, rows, args->D, bias, f.ld, hidden_planes, s);
         for (int64_t v0 = 0; rc == RLK_OK && v0 < args->V; v0 += f.chunk) {
             const int64_t cols = args->V - v0 < f.chunk ? args->V - v0 : f.chunk;
-            rc = launch_fp32_planes(weight + v0 * args->ldw, args->ldw, cols, args->D, bias != nullptr,
-                                    bias != nullptr ? bias + v0 : nullptr, f.ld, weight_planes, s);
+            rc = launch_weight_planes(weight, args->ldw, v0, cols, args->D, bias, f.ld, weight_planes, s);
             if (rc == RLK_OK)
                 rc = launch_parts_dlogits(args, r0, rows, v0, cols, f, hidden_planes, weight_planes, dz, slots, device,
                                           num_sms, s);
