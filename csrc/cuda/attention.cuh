@@ -562,12 +562,10 @@ __global__ void __launch_bounds__(128) attention_combine_kernel(const FwdParams 
     const int b = (int)(bi / p.seq.max_q_len);
     SequenceRange range;
     const bool range_ok = load_sequence(p.seq, b, range, true);
-#if __CUDA_ARCH__ >= 900
     /* launched as a programmatic dependent of the split kernel (launch_fwd): its CTAs may start before
      * the split kernel ends; this waits until it has ended and its records are visible. The sequence
      * range is the call's input, written before the split kernel started, so it is loaded before. */
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    wait_for_dependency();
     if (!range_ok) return;
     combine_row<BF16, D>(p, range, b, (int)(bi % p.seq.max_q_len), (int)(row % p.heads_q), threadIdx.x % LANES);
 }

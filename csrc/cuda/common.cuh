@@ -1,6 +1,7 @@
 /* cuda/common.cuh: the device primitives every CUDA kernel file shares (sm_80 and later): cp.async,
  * ldmatrix, the m16n8k16 tensor-core step, and element conversions between the storage dtypes
- * (fp32, bf16, fp16) and fp32; on the host, the current device and its SM count.
+ * (fp32, bf16, fp16) and fp32, the wait of a programmatic dependent launch; on the host, the current
+ * device and its SM count and the launch config of such a launch.
  *
  * Everything here is inline with internal linkage; a .cu file includes what it uses. Architecture-
  * specific primitives live beside their kernels (cuda/sm90/ptx.cuh for TMA, mbarriers, wgmma).
@@ -160,6 +161,15 @@ static inline cudaLaunchConfig_t launch_config_dependent(dim3 grid, dim3 block, 
     config.attrs = programmatic;
     config.numAttrs = dependent ? 1 : 0;
     return config;
+}
+
+/* In a kernel launched by launch_config_dependent with dependent: waits until the kernel before it on the
+ * stream has ended and its writes are visible (sm90; before sm90 the launch was an ordinary one and this
+ * is nothing). What that kernel does not write, the call's inputs, may be read before. */
+__device__ __forceinline__ void wait_for_dependency() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 #endif /* RLK_CUDA_COMMON_CUH_ */

@@ -110,9 +110,7 @@ static __global__ void linear_logp_merge_kernel(const float4 *__restrict__ parti
                                                 float *__restrict__ lse, int32_t *bad_target) {
     const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t t = n < N ? target[n] : ignore_index; /* an input: read before the fold ends */
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    wait_for_dependency();
     if (n >= N) return;
     float out_logp, out_entropy, out_lse;
     if (t == ignore_index) {
