@@ -1,7 +1,7 @@
 /* cuda/common.cuh: the device primitives every CUDA kernel file shares (sm_80 and later): cp.async,
  * ldmatrix, the m16n8k16 tensor-core step, and element conversions between the storage dtypes
- * (fp32, bf16, fp16) and fp32, the wait of a programmatic dependent launch; on the host, the current
- * device and its SM count and the launch config of such a launch.
+ * (fp32, bf16, fp16) and fp32, the wait of a programmatic dependent launch; on the host, rounding up,
+ * the current device and its SM count and the launch config of such a launch.
  *
  * Everything here is inline with internal linkage; a .cu file includes what it uses. Architecture-
  * specific primitives live beside their kernels (cuda/sm90/ptx.cuh for TMA, mbarriers, wgmma).
@@ -138,6 +138,9 @@ __device__ __forceinline__ float exp2_approx(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+
+/* x rounded up to a multiple of m (x >= 0, m > 0): sizes of tiles, boxes and scratch memory on the host. */
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* The current device and its SM count (grids sized to the machine are sized by it). */
 static inline cudaError_t current_device(int *device, int *num_sms) {

@@ -152,7 +152,7 @@ typedef struct gemm_plan {
 #define SWAP_CHAINED_STEP_SCALE 0.97
 
 /* The width of M's rows cut into `tiles` swapped tiles of equal width, rounded up to 16 */
-static int64_t swapped_width(int64_t M, int64_t tiles) { return ((M + tiles - 1) / tiles + 15) / 16 * 16; }
+static int64_t swapped_width(int64_t M, int64_t tiles) { return round_up((M + tiles - 1) / tiles, 16); }
 
 static double swapped_step_ns(int64_t bn) {
     const int64_t width = bn > SWAP_STEP_FLOOR_BN ? bn : SWAP_STEP_FLOOR_BN;
@@ -189,7 +189,7 @@ static gemm_plan choose_plan(int64_t M, int64_t N, int64_t K, bool b_mn, bool sw
     const bool head_like = (N + 127) / 128 >= SWAP_MIN_WAVES * num_sms;
     if (swappable && chains == 1 && head_like && M >= SWAP_MIN_M && M <= SWAP_MAX_M) {
         const int64_t tiles = (M + SWAP_MAX_BN - 1) / SWAP_MAX_BN, bn = swapped_width(M, tiles);
-        const int64_t normal_rows = (M + 127) / 128 * 128;
+        const int64_t normal_rows = round_up(M, 128);
         if (tiles == 1 || tiles * bn * 32 <= normal_rows * 31) return {CONFIG_LARGE, false, false, (int)bn};
     }
     const double steps = (double)((K + 63) / 64 * 4);

@@ -1076,9 +1076,9 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
     /* the last row tile's A loads: its rows rounded up to 8 (K-major: a box of that many rows; MN-major:
      * the 64-row boxes that hold them) */
     const int tail = (int)(args->M % BM);
-    p.a_tail_rows = tail == 0 ? BM : (tail + 7) / 8 * 8;
+    p.a_tail_rows = tail == 0 ? BM : (int)round_up(tail, 8);
     p.a_box_bytes = BM * BK * 2;
-    p.a_tail_box_bytes = A_MN ? (p.a_tail_rows + 63) / 64 * 64 * BK * 2 : p.a_tail_rows * BK * 2;
+    p.a_tail_box_bytes = (uint32_t)(A_MN ? round_up(p.a_tail_rows, 64) : p.a_tail_rows) * BK * 2;
     const CUtensorMapDataType in_type = BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     constexpr int PLANES = Epilogue::PARTS ? 3 : 1;
     if constexpr (Epilogue::PARTS) p.k_tiles *= PARTS_BLOCKS;
@@ -1099,7 +1099,7 @@ static int launch_gemm_sm90(const rlk_gemm_args *args, gemm_sm90_params p, const
                  : make_tensor_map(&map_b, in_type, args->b, args->K, args->N, args->ldb * 2, BK, BN / CLUSTER, PLANES);
         /* the swapped kernels' box of the last column tile that N cuts through (B_TAIL_UNLOADED), rows
          * rounded up to 8 */
-        const int b_tail_rows = (int)((args->N - (args->N - 1) / BN * BN) % (BN / CLUSTER) + 7) / 8 * 8;
+        const int b_tail_rows = (int)round_up((args->N - (args->N - 1) / BN * BN) % (BN / CLUSTER), 8);
         const bool ok_b_tail = !Epilogue::TRANSPOSED || B_MN || b_tail_rows == 0 ||
                                make_tensor_map(&map_b_tail, in_type, args->b, args->K, args->N, args->ldb * 2, BK, b_tail_rows);
         if (!ok_a || !ok_b || !ok_b_tail) return RLK_UNSUPPORTED;

@@ -346,8 +346,6 @@ static int launch_weight_planes(const float *weight, int64_t ldw, int64_t v0, in
                               ld_planes, planes, s);
 }
 
-static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 /* The planes' columns (D, + 1 for the bias) and row stride (whole 16 bytes, as TMA needs). */
 static int64_t fp32_planes_k(const void *bias, int64_t D) { return D + (bias != nullptr); }
 static int64_t fp32_planes_ld(const void *bias, int64_t D) { return round_up(fp32_planes_k(bias, D), 8); }
@@ -503,7 +501,7 @@ extern "C" int rlk_linear_logp_dlogits_sm90(const rlk_linear_logp_dlogits_args *
 static int64_t fp32_bwd_chunk(const void *bias, int64_t D, int64_t V) {
     int64_t max_chunk = FP32_BWD_WEIGHT_BYTES / (6 * fp32_planes_ld(bias, D)) / 384 * 384;
     max_chunk = max_chunk < 384 ? 384 : max_chunk;
-    const int64_t chunks = (V + max_chunk - 1) / max_chunk, chunk = ((V + chunks - 1) / chunks + 383) / 384 * 384;
+    const int64_t chunks = (V + max_chunk - 1) / max_chunk, chunk = round_up((V + chunks - 1) / chunks, 384);
     return chunk < V ? chunk : V;
 }
 
