@@ -42,7 +42,7 @@ import torch
 
 from .ops import attention as _attention_mod
 from .ops import row_ops as _row_ops
-from .ops.gemm import launch_gemm
+from .ops.gemm import gemm_scalar, launch_gemm
 
 __all__ = ["batch_invariant", "enable_batch_invariant", "disable_batch_invariant",
            "is_batch_invariant", "covered_ops", "covers"]
@@ -80,9 +80,22 @@ def _real(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _scalars_ok(dtype, *scalars):
+    """alpha and beta finite and, for 16- and 32-bit operands, within fp32's range (torch refuses a
+    larger one: the fallback raises its error)."""
+    for x in scalars:
+        if not _real(x):
+            return False
+        try:
+            gemm_scalar("addmm", "alpha", x, dtype)
+        except ValueError:
+            return False
+    return True
+
+
 def _addmm_ok(c, a, b, beta=1, alpha=1):
     return (_mm_ok(a, b) and c.dtype is a.dtype and _ok(c) and c.device == a.device
-            and c.dim() <= 2 and _real(beta) and _real(alpha)
+            and c.dim() <= 2 and _scalars_ok(a.dtype, beta, alpha)
             and _broadcasts(c.shape, (a.shape[0], b.shape[1])))
 
 
@@ -118,7 +131,7 @@ def _bmm(a, b):
 
 def _baddbmm_ok(c, a, b, beta=1, alpha=1):
     return (_bmm_ok(a, b) and c.dtype is a.dtype and _ok(c) and c.device == a.device
-            and _real(beta) and _real(alpha)
+            and _scalars_ok(a.dtype, beta, alpha)
             and _broadcasts(c.shape, (a.shape[0], a.shape[1], b.shape[2])))
 
 
@@ -152,7 +165,7 @@ def _mv(a, v):
 def _softmax_ok(x, dim, half_to_float):
     if not (_ok(x) and x.dim() > 0 and x.numel() > 0 and -x.dim() <= dim < x.dim()):
         return False
-    return not half_to_float or x.dtype in _HALF
+    return not half_to_float or (x.dtype in _HALF and x.is_cuda)  # (torch: not on the CPU)
 
 
 def _to_rows(x, dim):
@@ -214,13 +227,14 @@ def _log_softmax_backward(grad, out, dim, input_dtype):
 # --------------------------------------------------------------------------------------------
 
 def _reduced_dims(x, dim):
-    """The sorted, wrapped, distinct reduced dims, or None when the call is not a partial
-    reduction of a tensor with at least one dim (no dim, all dims, or a 0-d tensor)."""
+    """The sorted, wrapped reduced dims, or None when the call is not a partial reduction of a
+    tensor with at least one dim (no dim, all dims, or a 0-d tensor) or names a dim out of range or
+    twice (torch's own kernel then raises its error)."""
     nd = x.dim()
     if dim is None or nd == 0:
         return None
-    dims = sorted({d % nd if -nd <= d < nd else nd for d in dim})
-    if not dims or dims[-1] >= nd or len(dims) == nd:
+    dims = sorted(d % nd if -nd <= d < nd else nd for d in dim)
+    if not dims or dims[-1] >= nd or len(dims) == nd or len(set(dims)) != len(dims):
         return None
     return dims
 
@@ -350,8 +364,8 @@ def _sdpa_ok(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=N
         return False
     if is_causal and q.shape[2] != k.shape[2]:
         return False  # torch aligns the causal mask top-left, rl_kernels bottom-right
-    if scale is not None and not _real(scale):
-        return False
+    if scale is not None and not (_real(scale) and scale >= 0):
+        return False  # (rl_kernels' running max is of the raw scores: scale >= 0)
     if q.is_cuda:
         if q.dtype not in _HALF or q.shape[3] not in _attention_mod.CUDA_HEAD_DIMS:
             return False

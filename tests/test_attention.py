@@ -68,9 +68,8 @@ def test_fp64_forward_is_exact_to_rounding():
     q, k, v = qkv(1, 100, 600, 4, 2, 24, torch.float64, seed=3)
     out, lse = rl_kernels.attention(q, k, v, return_lse=True)
     assert lse.dtype == torch.float64
-    # the kernels take softmax_scale as an fp32 (rlk_attention_args.softmax_scale), fp64 inputs too
-    scale = torch.tensor(24 ** -0.5, dtype=torch.float32).item()
-    ref, ref_lse = attention_reference(q, k, v, scale=scale)
+    # fp64 takes softmax_scale as the double it is (the other dtypes round it to fp32 first)
+    ref, ref_lse = attention_reference(q, k, v, scale=24 ** -0.5)
     assert rel_err(out, ref) <= 1e-13 and (lse - ref_lse).abs().max() <= 1e-12
 
 
@@ -595,17 +594,17 @@ def test_int_cache_seqlens_equals_tensor_cache_seqlens():
 
 
 @pytest.mark.parametrize("seqlens,new,match", [
-    (9, 0, r"q_start, q_len, k_start, k_len"),  # past the cache of 8
-    (-1, 0, r"cache_seqlens must be >= 0"),
-    (-1, 2, r"cache_seqlens must be >= 0"),
-    (7, 2, r"cache_seqlens: appending 2 keys overflows the cache of 8"),
-    ([3, 9], 0, r"q_start, q_len, k_start, k_len"),
+    (9, 0, r"cache_seqlens 9 is outside the cache of 8 rows$"),
+    (-1, 0, r"cache_seqlens -1 is outside the cache of 8 rows$"),
+    (-1, 2, r"cache_seqlens -1 is outside the cache of 8 rows with 2 keys appended"),
+    (7, 2, r"cache_seqlens 7 is outside the cache of 8 rows with 2 keys appended"),
+    ([3, 9], 0, r"cache_seqlens overflow the cache of 8 rows \(largest cache_seqlens 9\)"),
     ([3, -2], 0, r"cache_seqlens must be >= 0"),
-    ([6, 3], 3, r"cache_seqlens: appending 3 keys overflows the cache of 8"),
+    ([6, 3], 3, r"cache_seqlens plus the 3 appended keys overflow the cache of 8 rows"),
 ])
 def test_bad_cache_seqlens_still_raise_and_leave_the_cache(seqlens, new, match):
-    """Out-of-range cache_seqlens, int or tensor, raise as before (the int no longer goes through a
-    tensor when in range, but out of range it still does), and the cache is not written."""
+    """Out-of-range cache_seqlens, int or tensor, raise naming cache_seqlens before anything is
+    written: the cache is left as it was."""
     q = randn(2, 1, 4, 16, seed=198)
     k_cache, v_cache = randn(2, 8, 2, 16, seed=199), randn(2, 8, 2, 16, seed=200)
     before = k_cache.clone(), v_cache.clone()
@@ -801,11 +800,11 @@ def _bad(case):
     ("scale_str", TypeError, r"softmax_scale must be a real number"),
     ("scale_inf", ValueError, r"softmax_scale must be finite"),
     ("scale_negative", ValueError, r"softmax_scale must be finite and >= 0"),
-    ("overflow", ValueError, r"cache_seqlens: appending 2 keys overflows the cache of 8"),
-    ("overflow_int", ValueError, r"cache_seqlens: appending 2 keys overflows the cache of 8"),
+    ("overflow", ValueError, r"cache_seqlens plus the 2 appended keys overflow the cache of 8"),
+    ("overflow_int", ValueError, r"cache_seqlens 7 is outside the cache of 8 rows with 2 keys"),
     ("seqlens_dtype", TypeError, r"cache_seqlens must be int32"),
     ("seqlens_type", TypeError, r"cache_seqlens must be an int or an int32 tensor"),
-    ("seqlens_past", ValueError, r"q_start, q_len, k_start, k_len"),
+    ("seqlens_past", ValueError, r"cache_seqlens overflow the cache of 8 rows"),
     ("new_pair", ValueError, r"give both k_new and v_new"),
     ("new_dtype", ValueError, r"k_new must be \[B, Tn, Hkv, d\]"),
     ("cache_batch", ValueError, r"k_cache has batch 1, q 2"),

@@ -669,3 +669,175 @@ def test_op_modules_check_backend_when_built(bad, error):
         with pytest.raises(error, match="backend"):
             cls(backend=bad)
         assert cls(backend="cpu").backend == "cpu"
+
+
+# --------------------------------------------------------------------------------------------
+# Cases an API fuzz found (session 39): torch's answer, or an error naming the argument
+# --------------------------------------------------------------------------------------------
+
+def _sdpa_ref(q, k, v, **kwargs):
+    """torch SDPA on [B, T, H, d] tensors, in fp64."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (q, k, v)), **kwargs)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("op", ["attention", "attention_with_kvcache"])
+def test_attention_head_dim_zero_is_torchs_empty_answer(op):
+    q, k = torch.randn(1, 2, 2, 0), torch.randn(1, 4, 1, 0)
+    if op == "attention":
+        out = rl_kernels.attention(q, k[:, :2], k[:, :2].clone(), backend="cpu")
+    else:
+        out = rl_kernels.attention_with_kvcache(q, k, k.clone(), 2, backend="cpu")
+    assert out.shape == q.shape
+
+
+def test_kvcache_append_leaves_the_cache_alone_when_the_call_is_refused():
+    k_cache, v_cache = torch.zeros(1, 4, 2, 4), torch.zeros(1, 4, 2, 4)
+    new = torch.ones(1, 1, 2, 4)
+    for backend in ("sm90", "sm80"):  # CUDA backends on CPU tensors: refused
+        with pytest.raises(RuntimeError, match=backend):
+            rl_kernels.attention_with_kvcache(torch.randn(1, 1, 2, 4), k_cache, v_cache, 2,
+                                              k_new=new, v_new=new, backend=backend)
+    assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("cached,t_new", [(2 ** 31, 0), (2 ** 70, 0), (9, 0), (-1, 0), (4, 1)])
+def test_kvcache_int_cache_seqlens_out_of_range_names_it(cached, t_new):
+    k_cache, v_cache = torch.zeros(1, 4, 2, 4), torch.zeros(1, 4, 2, 4)
+    new = {"k_new": torch.ones(1, t_new, 2, 4), "v_new": torch.ones(1, t_new, 2, 4)} if t_new else {}
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        rl_kernels.attention_with_kvcache(torch.randn(1, 1, 2, 4), k_cache, v_cache, cached, **new)
+    assert not k_cache.any()
+
+
+def test_kvcache_tensor_cache_seqlens_past_the_cache_names_it():
+    k_cache = torch.zeros(2, 4, 2, 4)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        rl_kernels.attention_with_kvcache(torch.randn(2, 1, 2, 4), k_cache, k_cache.clone(),
+                                          torch.tensor([2, 5], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("value,exc", [("5", TypeError), (5.9, TypeError), (True, TypeError),
+                                       (-1, ValueError), (6, ValueError)])
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
+def test_attention_bad_max_seqlen_names_it(name, value, exc):
+    q = torch.randn(1, 5, 1, 4)
+    with pytest.raises(exc, match=name):
+        rl_kernels.attention(q, q.clone(), q.clone(), **{name: value})
+
+
+def test_attention_packed_bad_max_seqlen_names_it():
+    q, cu = torch.randn(5, 1, 4), torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        rl_kernels.attention(q, q.clone(), q.clone(), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6)
+    out = rl_kernels.attention(q, q.clone(), q.clone(), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4)
+    assert torch.equal(out, rl_kernels.attention(q, q.clone(), q.clone(), cu_seqlens_q=cu, cu_seqlens_k=cu))
+
+
+def test_attention_fp64_takes_softmax_scale_as_a_double():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64) for _ in range(3))
+    for scale in (None, 0.1, 1 / 3):
+        kwargs = {} if scale is None else {"scale": scale}
+        ref = _sdpa_ref(q, k, v, is_causal=True, **kwargs)
+        out = rl_kernels.attention(q, k, v, softmax_scale=scale, backend="cpu")
+        assert (out - ref).abs().max().item() < 1e-13  # fp32-rounded scale: ~2e-8
+
+
+def test_attention_q_with_overlapping_rows():
+    # a view whose empty_like has a strided head dim (torch orders an overlapping view's dims by
+    # stride): out and dq are allocated dense instead
+    base = torch.randn(20, dtype=torch.float64, requires_grad=True)
+    q = torch.as_strided(base, (1, 3, 1, 4), (12, 1, 4, 1))
+    assert torch.empty_like(q).stride()[-1] != 1
+    k, v = (torch.randn(1, 3, 1, 4, dtype=torch.float64) for _ in range(2))
+    g = torch.randn(1, 3, 1, 4, dtype=torch.float64)
+    out = rl_kernels.attention(q, k, v, backend="cpu")
+    ref = _sdpa_ref(q.contiguous(), k, v, is_causal=True)  # (torch 2.13's CPU SDPA misreads this q)
+    assert (out - ref).abs().max() < 1e-12
+    out.backward(g)
+    ours = base.grad.clone()
+    base.grad = None
+    ref.backward(g)
+    assert (ours - base.grad).abs().max() < 1e-12
+
+
+def test_mode_refuses_duplicate_reduction_dims_like_torch():
+    x = torch.randn(2, 3, 4)
+    for dims in ((1, 1), (-1, 2), (0, -3)):
+        with pytest.raises(RuntimeError, match="appears multiple times"):
+            x.sum(dims)
+        with rl_kernels.batch_invariant(), pytest.raises(RuntimeError, match="appears multiple times"):
+            x.sum(dims)
+        with rl_kernels.batch_invariant(), pytest.raises(RuntimeError, match="appears multiple times"):
+            x.mean(dims)
+
+
+def test_mode_sdpa_with_a_negative_scale_is_torchs_answer():
+    q = torch.randn(1, 1, 3, 4)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=-0.5)
+    with rl_kernels.batch_invariant():
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=-0.5)
+    assert torch.equal(out, ref)
+
+
+def test_mode_addmm_scalar_past_float32_raises_like_torch():
+    a, b, c = torch.randn(2, 3), torch.randn(3, 2), torch.randn(2, 2)
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.addmm(c, a, b, alpha=1e39)
+    with rl_kernels.batch_invariant(), pytest.raises(RuntimeError, match="overflow"):
+        torch.addmm(c, a, b, alpha=1e39)
+    with rl_kernels.batch_invariant(), pytest.raises(RuntimeError, match="overflow"):
+        torch.baddbmm(c[None], a[None], b[None], beta=-1e39)
+
+
+@pytest.mark.parametrize("weight", [torch.randn(8)[::2], torch.tensor(1.5).expand(4)],
+                         ids=["stepped", "expanded"])
+def test_rms_norm_strided_weight_like_torch(weight):
+    x = torch.randn(3, 4)
+    ref = torch.nn.functional.rms_norm(x.double(), (4,), weight.double(), 1e-6)
+    assert (rl_kernels.rms_norm(x, weight, 1e-6, backend="cpu") - ref).abs().max() < 1e-5
+    with rl_kernels.batch_invariant():
+        out = torch.nn.functional.rms_norm(x, (4,), weight, 1e-6)
+    assert (out - ref).abs().max() < 1e-5
+    base = torch.randn(8, dtype=torch.float64, requires_grad=True)  # a strided weight that needs grad
+    g = torch.randn(3, 4, dtype=torch.float64)
+    rl_kernels.rms_norm(x.double(), base[::2], 1e-6, backend="cpu").backward(g)
+    ours = base.grad.clone()
+    base.grad = None
+    torch.nn.functional.rms_norm(x.double(), (4,), base[::2], 1e-6).backward(g)
+    assert (ours - base.grad).abs().max() < 1e-12
+
+
+def test_row_ops_of_a_0d_tensor_like_torch():
+    x = torch.tensor(2.0)
+    with pytest.raises(ValueError, match="x"):
+        rl_kernels.rms_norm(x, torch.tensor([3.0]))
+    with pytest.raises(ValueError, match="x"):
+        rl_kernels.rms_norm(x)
+    for keepdim in (False, True):
+        assert rl_kernels.row_sum(x, keepdim=keepdim).shape == x.sum(-1, keepdim=keepdim).shape
+        assert rl_kernels.row_mean(x, keepdim=keepdim).shape == x.mean(-1, keepdim=keepdim).shape
+        assert rl_kernels.row_sum(x, keepdim=keepdim).item() == 2.0
+
+
+@pytest.mark.parametrize("bias_shape", [(1,), (1, 1), (5,), (0, 5), ()])
+def test_addmm_no_rows_with_a_broadcast_bias(bias_shape):
+    bias, a, b = torch.randn(bias_shape), torch.randn(0, 4), torch.randn(4, 5)
+    out = rl_kernels.addmm(bias, a, b, backend="cpu")
+    assert out.shape == torch.addmm(bias, a, b).shape == (0, 5)
+
+
+@pytest.mark.parametrize("logits", ["all -inf", "one +inf"])
+def test_linear_logp_rows_without_a_finite_max_are_nan_like_torch(logits):
+    hidden, weight = torch.randn(2, 8), torch.randn(10, 8) * 0.3
+    target = torch.tensor([1, 2])
+    bias = torch.full((10,), -math.inf) if logits == "all -inf" else torch.tensor([math.inf] + [0.0] * 9)
+    logp, entropy = rl_kernels.linear_logp(hidden, weight, target, bias, return_entropy=True,
+                                           backend="cpu")
+    z = hidden @ weight.t() + bias
+    want_logp = torch.log_softmax(z, -1).gather(1, target[:, None]).squeeze(1)
+    want_entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    assert want_logp.isnan().all() and want_entropy.isnan().all()
+    assert logp.isnan().all() and entropy.isnan().all()

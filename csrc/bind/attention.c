@@ -186,7 +186,7 @@ PyObject *py_attention_fwd(PyObject *self, PyObject *args) {
     ok = ok && check_softmax_scale(softmax_scale) == 0;
     if (ok) {
         a.causal = causal;
-        a.softmax_scale = (float)softmax_scale;
+        a.softmax_scale = softmax_scale;
         ok = run_attention("attention_fwd", call_attention_fwd, backend, stream, bad_index_addr, &t[Q], &a) == 0;
     }
     rlk_release_all(t, parsed);
@@ -232,7 +232,7 @@ PyObject *py_attention_bwd(PyObject *self, PyObject *args) {
     ok = ok && check_softmax_scale(softmax_scale) == 0;
     if (ok) {
         a.causal = causal;
-        a.softmax_scale = (float)softmax_scale;
+        a.softmax_scale = softmax_scale;
         ok = run_attention("attention_bwd", call_attention_bwd, backend, stream, bad_index_addr, &t[Q], &a) == 0;
     }
     rlk_release_all(t, parsed);

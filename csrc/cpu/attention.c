@@ -75,6 +75,9 @@ static const float LN2_F = 0x1.62e430p-1f;   /* ln(2) rounded to fp32 */
 static const double LOG2E = 0x1.71547652b82fep+0;
 static const double LN2 = 0x1.62e42fefa39efp-1;
 
+/* softmax_scale as the fp32 computations take it, rounded to float (the fp64 ones use the double) */
+static float fp32_scale(const rlk_attention_args *a) { return (float)a->softmax_scale; }
+
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -312,7 +315,7 @@ ALWAYS_INLINE void forward_row_block(const rlk_attention_args *a, int64_t item, 
     const int64_t d = a->head_dim, h = w.head, g = kv_head(a, h), i0 = w.first;
     if (i0 >= s->q_len) return;
     const int64_t rows = rlk_min64(ROW_BLOCK, s->q_len - i0);
-    const float c = a->softmax_scale * LOG2E_F;
+    const float c = fp32_scale(a) * LOG2E_F;
     float *cursor = scratch;
     float *q_rows = carve(&cursor, ROW_BLOCK * d), *seg_acc = carve(&cursor, ROW_BLOCK * d);
     float *row_o = carve(&cursor, ROW_BLOCK * d);
@@ -392,7 +395,7 @@ ALWAYS_INLINE void dq_row_block(const rlk_attention_args *a, int64_t item, float
     const int64_t d = a->head_dim, h = w.head, g = kv_head(a, h), i0 = w.first;
     if (i0 >= s->q_len) return;
     const int64_t rows = rlk_min64(ROW_BLOCK, s->q_len - i0);
-    const float c = a->softmax_scale * LOG2E_F;
+    const float c = fp32_scale(a) * LOG2E_F;
     float *cursor = scratch;
     float *q_rows = carve(&cursor, ROW_BLOCK * d), *dout_rows = carve(&cursor, ROW_BLOCK * d);
     float *dq_acc = carve(&cursor, ROW_BLOCK * d), *keys_t = carve(&cursor, BLOCK_N * d);
@@ -425,7 +428,7 @@ ALWAYS_INLINE void dq_row_block(const rlk_attention_args *a, int64_t item, float
     }
     for (int64_t r = 0; r < rows; r++) {
         float *dq = dq_acc + r * d;
-        for (int64_t e = 0; e < d; e++) dq[e] *= a->softmax_scale;
+        for (int64_t e = 0; e < d; e++) dq[e] *= fp32_scale(a);
         rlk_store_row_f32(a->dq.data, a->dtype, element(&a->dq, s->b, s->q_start + i0 + r, h), dq, d);
     }
 }
@@ -439,7 +442,7 @@ ALWAYS_INLINE void dkdv_key_block(const rlk_attention_args *a, int64_t item, flo
     const int64_t d = a->head_dim, g = w.head, j0 = w.first;
     if (j0 >= s->k_len) return;
     const int64_t nk = rlk_min64(BLOCK_N, s->k_len - j0), group = a->heads_q / a->heads_kv;
-    const float c = a->softmax_scale * LOG2E_F;
+    const float c = fp32_scale(a) * LOG2E_F;
     float *cursor = scratch;
     float *keys_t = carve(&cursor, BLOCK_N * d), *values_t = carve(&cursor, BLOCK_N * d);
     float *dk_acc = carve(&cursor, BLOCK_N * d), *dv_acc = carve(&cursor, BLOCK_N * d);
@@ -466,7 +469,7 @@ ALWAYS_INLINE void dkdv_key_block(const rlk_attention_args *a, int64_t item, flo
     }
     for (int64_t j = 0; j < nk; j++) {
         float *dk = dk_acc + j * d;
-        for (int64_t e = 0; e < d; e++) dk[e] *= a->softmax_scale;
+        for (int64_t e = 0; e < d; e++) dk[e] *= fp32_scale(a);
         rlk_store_row_f32(a->dk.data, a->dtype, element(&a->dk, s->b, s->k_start + j0 + j, g), dk, d);
         rlk_store_row_f32(a->dv.data, a->dtype, element(&a->dv, s->b, s->k_start + j0 + j, g), dv_acc + j * d, d);
     }
@@ -545,7 +548,7 @@ static int64_t backward_scratch_doubles(int64_t d) { return 2 * BLOCK_N * d; }
 static void forward_row_f64(const rlk_attention_args *a, const sequence *s, int64_t h, int64_t i, double *scratch)
 {
     const int64_t d = a->head_dim, g = kv_head(a, h), visible = visible_keys(a, s, i);
-    const double c = (double)a->softmax_scale * LOG2E;
+    const double c = a->softmax_scale * LOG2E;
     const double *q = row_f64(&a->q, s->b, s->q_start + i, h);
     double *acc = scratch, *o = acc + d, *pv = o + d;
     double scores[BLOCK_N];
@@ -602,7 +605,7 @@ static void score_grad_f64(const rlk_attention_args *a, const sequence *s, int64
                            int64_t j, double delta, double lse_log2, double *p, double *ds)
 {
     const int64_t d = a->head_dim;
-    const double c = (double)a->softmax_scale * LOG2E;
+    const double c = a->softmax_scale * LOG2E;
     const double score = dot_f64(row_f64(&a->q, s->b, s->q_start + i, h), row_f64(&a->k, s->b, s->k_start + j, g), d);
     const double dp = dot_f64(row_f64(&a->dout, s->b, s->q_start + i, h), row_f64(&a->v, s->b, s->k_start + j, g), d);
     *p = exp2(fma(score, c, -lse_log2));
@@ -640,7 +643,7 @@ static void dq_item_f64(const rlk_attention_args *a, int64_t item, void *scratch
             score_grad_f64(a, s, h, i, g, j, delta, lse_log2, &p, &ds);
             for (int64_t e = 0; e < d; e++) acc[e] = fma(ds, k[e], acc[e]);
         }
-        for (int64_t e = 0; e < d; e++) dq[e] = acc[e] * (double)a->softmax_scale;
+        for (int64_t e = 0; e < d; e++) dq[e] = acc[e] * a->softmax_scale;
     }
 }
 
@@ -674,7 +677,7 @@ static void dkdv_item_f64(const rlk_attention_args *a, int64_t item, void *scrat
         double *dk = mutable_row_f64(&a->dk, s->b, s->k_start + j0 + j, g);
         double *dv = mutable_row_f64(&a->dv, s->b, s->k_start + j0 + j, g);
         for (int64_t e = 0; e < d; e++) {
-            dk[e] = dk_acc[j * d + e] * (double)a->softmax_scale;
+            dk[e] = dk_acc[j * d + e] * a->softmax_scale;
             dv[e] = dv_acc[j * d + e];
         }
     }

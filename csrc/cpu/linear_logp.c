@@ -128,6 +128,10 @@ static int forward_row_block(const rlk_linear_logp_args *args, int64_t row0, int
             bad_target = 1;
         } else if (state[r].saw_nan) {
             logp = entropy = lse = NAN;
+        } else if (isinf(state[r].max)) {
+            /* every logit -inf (lse -inf), or one +inf (lse +inf): torch's log_softmax and entropy are NaN */
+            logp = entropy = NAN;
+            lse = state[r].max;
         } else {
             const softmax_state *st = &state[r];
             const float log_sum_exp = log1pf(st->sum_exp_rest);

@@ -785,7 +785,7 @@ CallParams call_params(const rlk_attention_args *a) {
     p.heads_kv = (int)a->heads_kv;
     p.group = (int)(a->heads_q / a->heads_kv);
     p.causal = a->causal != 0;
-    p.scale_log2 = (float)((double)a->softmax_scale * 1.4426950408889634);
+    p.scale_log2 = (float)((double)(float)a->softmax_scale * 1.4426950408889634);
     return p;
 }
 
@@ -922,7 +922,7 @@ BwdParams bwd_params(const rlk_attention_args *a) {
     p.dq = a->dq;
     p.dk = a->dk;
     p.dv = a->dv;
-    p.scale = a->softmax_scale;
+    p.scale = (float)a->softmax_scale;
     p.stats = (float2 *)a->workspace;
     p.stats_pitch = (int)((a->max_q_len + 1) & ~(int64_t)1);
     return p;

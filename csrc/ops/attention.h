@@ -100,7 +100,8 @@ typedef struct rlk_attention_args {
     int64_t q_rows, k_rows;       /* rows of one batch entry's storage: q_start + q_len <= q_rows, ... */
     rlk_dtype dtype;
     int causal;
-    float softmax_scale; /* >= 0 (the bindings refuse a negative one) */
+    double softmax_scale; /* >= 0 (the bindings refuse a negative one); rounded to fp32 first for every
+                             dtype but fp64, which takes it as given */
     const int32_t *q_start, *q_len, *k_start, *k_len; /* [batch] each, on the tensors' device, or null */
     rlk_attention_tensor q, k, v, out, lse;           /* forward: reads q, k, v; writes out, lse */
     rlk_attention_tensor dout, dq, dk, dv;            /* backward: reads q, k, v, out, lse, dout */

@@ -23,7 +23,7 @@ import torch
 
 from .. import _C
 from .common import (LIBRARY, DeviceErrorFlag, backend_and_stream, backend_arg, check_tensor,
-                     eager_direct, real_number)
+                     eager_direct, integer, real_number)
 
 CUDA_HEAD_DIMS = (64, 128)
 BAD_RANGE = DeviceErrorFlag("cu_seqlens / cache_seqlens: an earlier attention call on CUDA saw a "
@@ -67,10 +67,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if q.dim() != 3:
             raise ValueError(f"attention(): with cu_seqlens, q must be packed [total, H, d], got "
                              f"{q.dim()}-D")
-        q_start, q_len, max_seqlen_q = _ranges_from_cu_seqlens("cu_seqlens_q", cu_seqlens_q,
-                                                               q.shape[0], max_seqlen_q, q.device)
-        k_start, k_len, max_seqlen_k = _ranges_from_cu_seqlens("cu_seqlens_k", cu_seqlens_k,
-                                                               k.shape[0], max_seqlen_k, q.device)
+        q_start, q_len, max_seqlen_q = _ranges_from_cu_seqlens(
+            "cu_seqlens_q", cu_seqlens_q, q.shape[0], _max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0]),
+            q.device)
+        k_start, k_len, max_seqlen_k = _ranges_from_cu_seqlens(
+            "cu_seqlens_k", cu_seqlens_k, k.shape[0], _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0]),
+            q.device)
         if q_len.shape != k_len.shape:
             raise ValueError(f"attention(): cu_seqlens_q has {q_len.shape[0]} sequences, "
                              f"cu_seqlens_k {k_len.shape[0]}")
@@ -79,8 +81,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             raise ValueError(f"attention(): q must be [B, T, H, d] (or packed [total, H, d] with "
                              f"cu_seqlens), got {q.dim()}-D")
         batch = q.shape[0]
-        max_seqlen_q = q.shape[1] if max_seqlen_q is None else int(max_seqlen_q)
-        max_seqlen_k = k.shape[1] if max_seqlen_k is None else int(max_seqlen_k)
+        max_seqlen_q = q.shape[1] if max_seqlen_q is None else _max_seqlen("max_seqlen_q", max_seqlen_q,
+                                                                           q.shape[1])
+        max_seqlen_k = k.shape[1] if max_seqlen_k is None else _max_seqlen("max_seqlen_k", max_seqlen_k,
+                                                                           k.shape[1])
         q_start, q_len = _ranges("q", q_start, q_len, batch, q.shape[1], max_seqlen_q, q.device)
         k_start, k_len = _ranges("k", k_start, k_len, batch, k.shape[1], max_seqlen_k, q.device)
     args = (q, k, v, q_start, q_len, k_start, k_len, max_seqlen_q, max_seqlen_k, causal, scale,
@@ -113,7 +117,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = _scale("attention_with_kvcache", softmax_scale, q.shape[-1])
     causal = _check_bool("attention_with_kvcache", "causal", causal)
     return_lse = _check_bool("attention_with_kvcache", "return_lse", return_lse)
-    backend = backend_arg("attention_with_kvcache", backend)  # before the cache is written
+    # everything that can refuse the call is checked before the cache is written
+    backend = backend_arg("attention_with_kvcache", backend)
+    backend_and_stream("attention", q.device, backend)  # a backend that cannot run on q's device
+    BAD_RANGE.raise_if_set()  # an earlier call's bad range, which _forward_impl would raise
     cached = _cache_seqlens(cache_seqlens, batch, q.device)
     if (k_new is None) != (v_new is None):
         raise ValueError("attention_with_kvcache(): give both k_new and v_new (or neither)")
@@ -128,7 +135,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if k_new.shape != v_new.shape:
             raise ValueError("attention_with_kvcache(): k_new and v_new differ in shape")
         t_new = k_new.shape[1]
-    if type(cached) is int and 0 <= cached <= t_max - t_new:
+    if type(cached) is int:
+        if not 0 <= cached <= t_max - t_new:
+            raise ValueError(f"attention_with_kvcache(): cache_seqlens {cached} is outside the cache "
+                             f"of {t_max} rows" + (f" with {t_new} keys appended" if t_new else ""))
         # every sequence has the same keys: no k_len tensor (None: max_k_len keys each), and the
         # new keys land in one slice of the cache
         k_len, max_k_len = None, cached + t_new
@@ -136,16 +146,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             k_cache[:, cached:cached + t_new] = k_new
             v_cache[:, cached:cached + t_new] = v_new
     else:
-        if type(cached) is int:  # out of range: refused or flagged below, as a tensor's would be
-            cached = torch.full((batch,), cached, dtype=torch.int32, device=q.device)
         k_len, max_k_len = (cached + t_new if t_new else cached), t_max  # (no add without new keys)
         if not cached.is_cuda:  # free to check here; on CUDA the kernels flag a bad range (no sync)
             if batch and int(cached.min()) < 0:
                 raise ValueError(f"attention_with_kvcache(): cache_seqlens must be >= 0, got "
                                  f"{cached.tolist()[:8]}")
-            if batch and t_new and int(k_len.max()) > t_max:
-                raise ValueError(f"cache_seqlens: appending {t_new} keys overflows the cache of "
-                                 f"{t_max} (largest cache_seqlens {int(cached.max())})")
+            if batch and int(k_len.max()) > t_max:
+                raise ValueError(f"attention_with_kvcache(): cache_seqlens " +
+                                 (f"plus the {t_new} appended keys " if t_new else "") +
+                                 f"overflow the cache of {t_max} rows (largest cache_seqlens "
+                                 f"{int(cached.max())})")
         elif t_new:  # a negative start could hide in cached + t_new: give such a sequence k_len -1
             k_len = torch.where(cached < 0, -1, k_len)  # (past t_max the kernels see it themselves)
         # (without appended keys k_len is cached itself, which the kernels check against [0, t_max])
@@ -224,12 +234,24 @@ def _check_bool(op, name, value):
 
 def _scale(op, softmax_scale, d):
     if softmax_scale is None:
-        return 1.0 / math.sqrt(d)
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0  # (no head dim: every score is 0 at any scale)
     scale = real_number(op, "softmax_scale", softmax_scale)
     if not math.isfinite(scale) or scale < 0:
         # the contract's running max is of the raw scores: the max of the scaled ones for scale >= 0
         raise ValueError(f"{op}(): softmax_scale must be finite and >= 0, got {scale}")
     return scale
+
+
+def _max_seqlen(name, value, rows):
+    """max_seqlen_q / max_seqlen_k checked: an int in [0, rows] (the rows of the q or k storage); None
+    stays None (the caller computes it)."""
+    if value is None or isinstance(value, torch.SymInt):
+        return value
+    value = integer("attention", name, value)
+    if not 0 <= value <= rows:
+        raise ValueError(f"attention(): {name} is {value}, outside [0, {rows}] (the rows of "
+                         f"{name[-1]})")
+    return value
 
 
 def _int32_vector(name, t, length, device, op="attention"):
@@ -258,11 +280,11 @@ def _ranges_from_cu_seqlens(name, cu, rows, max_len, device):
             raise ValueError(f"attention(): {name} must increase from 0 to at most {rows} (the "
                              f"packed rows); got {values[:8]}{' ...' if len(values) > 8 else ''}")
         longest = max((b - a for a, b in zip(values, values[1:])), default=0)
-        max_len = longest if max_len is None else int(max_len)
+        max_len = longest if max_len is None else max_len
         if max_len < longest:
             raise ValueError(f"attention(): max_seqlen for {name} is {max_len}, but a sequence has "
                              f"{longest} rows")
-    return start, length, int(max_len)
+    return start, length, max_len
 
 
 def _ranges(which, start, length, batch, rows, max_len, device):
@@ -287,7 +309,7 @@ def _cache_seqlens(cache_seqlens, batch, device):
         raise TypeError(f"attention_with_kvcache(): cache_seqlens must be an int or an int32 tensor, "
                         f"got {type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
-        return int(cache_seqlens)
+        return int(cache_seqlens)  # (its range is checked against the cache by the caller)
     return _int32_vector("cache_seqlens", cache_seqlens, batch, device, "attention_with_kvcache")
 
 
@@ -320,6 +342,16 @@ LIBRARY.define(
     "bool causal, float softmax_scale, str backend) -> (Tensor, Tensor, Tensor)")
 
 
+def _new_like(t, zeros=False):
+    """A new tensor of t's shape, dtype and device for an output or gradient of t: in t's layout
+    (empty_like), unless that leaves the head dim strided, which the kernels cannot write (empty_like
+    orders the dims of an overlapping view, an expanded k, say, by their strides): then contiguous."""
+    new = torch.empty_like(t)
+    if new.stride()[-1] != 1 and new.shape[-1] > 1:
+        new = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return new.zero_() if zeros else new
+
+
 def _lse_shape(q):
     return (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
 
@@ -333,10 +365,10 @@ def _forward_impl(q, k, v, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
     if q_start is None and q_len is None and max_q_len == q.shape[-3]:
         # the sequences cover every row, and the launchers write every row of a sequence (one
         # whose key range is out of bounds included, csrc/ops/attention.h): nothing to fill
-        out = torch.empty_like(q)
+        out = _new_like(q)
         lse = torch.empty(_lse_shape(q), device=q.device, dtype=lse_dtype)
     else:  # rows outside the sequences stay 0 / -inf
-        out = torch.zeros_like(q)
+        out = _new_like(q, zeros=True)
         lse = torch.full(_lse_shape(q), -math.inf, device=q.device, dtype=lse_dtype)
     _C.attention_fwd(q, k, v, out, lse, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
                      causal, scale, BAD_RANGE.address(q.device), code, stream)
@@ -348,7 +380,7 @@ def _backward_impl(q, k, v, out, lse, dout, q_start, q_len, k_start, k_len, max_
     BAD_RANGE.raise_if_set()
     code, stream = backend_and_stream("attention", q.device, backend)
     q, k, v, out, dout = (_aligned_rows(x) for x in (q, k, v, out, dout))
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = _new_like(q, zeros=True), _new_like(k, zeros=True), _new_like(v, zeros=True)
     _C.attention_bwd(q, k, v, out, lse, dout, dq, dk, dv, q_start, q_len, k_start, k_len,
                      max_q_len, max_k_len, causal, scale, BAD_RANGE.address(q.device), code, stream)
     return dq, dk, dv
@@ -363,13 +395,13 @@ for _key in ("CPU", "CUDA"):
 def _forward_fake(q, k, v, q_start, q_len, k_start, k_len, max_q_len, max_k_len, causal, scale,
                   backend):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty_like(q), q.new_empty(_lse_shape(q), dtype=lse_dtype)
+    return _new_like(q), q.new_empty(_lse_shape(q), dtype=lse_dtype)
 
 
 @torch.library.register_fake("rl_kernels::attention_backward")
 def _backward_fake(q, k, v, out, lse, dout, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
                    causal, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _new_like(q), _new_like(k), _new_like(v)
 
 
 def _setup_context(ctx, inputs, output):

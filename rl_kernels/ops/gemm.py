@@ -73,7 +73,9 @@ def addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta=1
         c = input  # an [N] bias, [1, N] or [M, N]: read in place
     else:
         c = input.expand(m, n)  # a column or a scalar: materialized below
-    if n > 1 and c.stride(-1) != 1:
+    if c.numel() == 0:
+        c = input.new_empty((m, n))  # no rows (M = 0): an expanded view would keep stride 0
+    elif n > 1 and c.stride(-1) != 1:
         c = c.contiguous()
     if out is not None:
         check_out("addmm", out, input.dtype, (m, n), input, mat1, mat2)

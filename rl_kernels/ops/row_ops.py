@@ -28,11 +28,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     round_before_weight=False is torch.nn.functional.rms_norm (one rounding at the end);
     True is transformers' Llama/Qwen RMSNorm (weight * normalized.to(dtype))."""
     x = _floating("rms_norm", "x", x)
+    if x.dim() == 0:
+        raise ValueError("rms_norm(): x must have at least 1 dimension (it normalizes the last), got "
+                         "a 0-d tensor")
     if weight is not None:
         check_tensor("rms_norm", "weight", weight)
         if weight.dtype != x.dtype or weight.shape != (x.shape[-1],):
             raise ValueError(f"rms_norm(): weight must be [{x.shape[-1]}] of {x.dtype}, got "
                              f"{tuple(weight.shape)} of {weight.dtype}")
+        weight = weight.contiguous()  # the kernels read a dense vector (a strided view: a copy)
     eps = real_number("rms_norm", "eps", eps)
     if not isinstance(round_before_weight, bool):
         raise TypeError("rms_norm(): round_before_weight must be a bool")
@@ -119,7 +123,7 @@ def _row_reduce(op, x, keepdim, dtype, mean, backend):
     rows = _rows(x)
     args = (rows, out_dtype, mean, backend)
     y = _row_sum_impl(*args) if eager_direct(rows) else torch.ops.rl_kernels.row_sum(*args)
-    shape = (*x.shape[:-1], 1) if keepdim else x.shape[:-1]
+    shape = (*x.shape[:-1], 1) if keepdim and x.dim() > 0 else x.shape[:-1]  # (0-d: 0-d, as torch)
     return y.view(shape)
 
 
