@@ -841,3 +841,9 @@ def test_linear_logp_rows_without_a_finite_max_are_nan_like_torch(logits):
     want_entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
     assert want_logp.isnan().all() and want_entropy.isnan().all()
     assert logp.isnan().all() and entropy.isnan().all()
+
+
+def test_meta_operand_error_names_it_without_cpp_frames():
+    with pytest.raises(TypeError, match="b: cannot be exported through DLPack") as info:
+        rl_kernels.matmul(torch.randn(2, 3), torch.randn(3, 2, device="meta"))
+    assert "\n" not in str(info.value) and "frame #" not in str(info.value)

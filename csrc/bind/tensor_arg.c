@@ -163,8 +163,13 @@ static void reraise_with_name(const char *name, const char *what) {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     PyObject *msg = value ? PyObject_Str(value) : NULL;
-    PyErr_Format(PyExc_TypeError, "%s: %s: %s", name, what,
-                 msg ? PyUnicode_AsUTF8(msg) : "unknown error");
+    const char *text = msg ? PyUnicode_AsUTF8(msg) : NULL;
+    if (text == NULL) text = "unknown error";
+    /* torch's C++ errors append the C++ frames after this line: the message alone */
+    const char *frames = strstr(text, "\nException raised from");
+    PyObject *first = PyUnicode_FromStringAndSize(text, frames ? frames - text : (Py_ssize_t)strlen(text));
+    if (first != NULL) PyErr_Format(PyExc_TypeError, "%s: %s: %U", name, what, first);
+    Py_XDECREF(first);
     Py_XDECREF(msg);
     Py_XDECREF(type);
     Py_XDECREF(value);
