@@ -25,8 +25,13 @@ Everything else, and every covered op called with a dtype, device or argument th
 take (integer matmuls, fp64 on CUDA, an sdpa attn_mask, empty tensors ...), runs torch's original
 kernel, unchanged. ``rl_kernels.strict()`` names such calls.
 
-The mode is process-wide (all threads) and re-entrant: ``batch_invariant()`` restores the state it
-found, so nested blocks and ``batch_invariant(False)`` inside an enabled block work as expected.
+The mode is process-wide (all threads) and re-entrant: nested blocks and ``batch_invariant(False)``
+inside an enabled block work as expected, and blocks open in several threads at once stay on until
+the last one closes (blocks that ask for opposite states at once raise RuntimeError). Turning the
+mode on or off registers or destroys aten kernels, which torch does not guard against calls running
+in other threads at that moment: a program whose threads run torch ops while another enters or leaves
+the mode can crash. Such a program turns it on once (``enable_batch_invariant()``) before its
+threads start.
 Not supported: torch.compile of code that relies on the mode (Inductor generates its own
 reductions and GEMM calls; the compiled graph also keeps whatever the mode was when it was traced).
 """
@@ -411,6 +416,8 @@ _ORIGINAL_KEY = {"CompositeImplicitAutograd": "CPU"}
 _lock = threading.RLock()
 _library = None          # the torch.library.Library holding the registrations while on
 _active: dict = {}       # OpOverload -> predicate, for covers() and strict()
+_blocks: dict = {}       # thread ident -> the enabled flags of its open batch_invariant() blocks
+_outside_blocks = False  # the state enable / disable_batch_invariant() set, for when no block is open
 
 
 def _overload(name):
@@ -462,18 +469,34 @@ def _unregister():
         lib._destroy()
 
 
+def _apply() -> None:
+    """Registers or unregisters so that the mode is what the open blocks ask for (they agree:
+    batch_invariant.__enter__), or with none open what enable / disable_batch_invariant() set.
+    Called with _lock held."""
+    innermost = [flags[-1] for flags in _blocks.values()]
+    on = innermost[0] if innermost else _outside_blocks
+    if on and _library is None:
+        _register()
+    elif not on and _library is not None:
+        _unregister()
+
+
 def enable_batch_invariant() -> None:
-    """Turn the mode on (process-wide); a no-op when it is on."""
+    """Turn the mode on (process-wide) for as long as no batch_invariant() block says otherwise;
+    a no-op when it is on."""
+    global _outside_blocks
     with _lock:
-        if _library is None:
-            _register()
+        _outside_blocks = True
+        _apply()
 
 
 def disable_batch_invariant() -> None:
-    """Turn the mode off, restoring torch's previous kernels exactly; a no-op when it is off."""
+    """Turn the mode off, restoring torch's previous kernels exactly, for as long as no
+    batch_invariant() block says otherwise; a no-op when it is off."""
+    global _outside_blocks
     with _lock:
-        if _library is not None:
-            _unregister()
+        _outside_blocks = False
+        _apply()
 
 
 def is_batch_invariant() -> bool:
@@ -482,27 +505,53 @@ def is_batch_invariant() -> bool:
 
 
 class batch_invariant(contextlib.ContextDecorator):
-    """Context manager (and decorator): the mode is on (or off, with enabled=False) inside, and
-    whatever it was before is restored on exit, so blocks nest."""
+    """Context manager (and decorator): the mode is on (or off, with enabled=False) inside; on exit
+    it is what the blocks still open ask for, or with none open what enable / disable_batch_invariant()
+    set, so blocks nest. The mode is process-wide: blocks open in several threads at once must ask for
+    the same state (the registration is taken down when the last of them closes, not the first); a
+    block that asks for the other state raises RuntimeError."""
 
     def __init__(self, enabled: bool = True):
         if not isinstance(enabled, bool):
             raise TypeError(f"batch_invariant(): enabled must be a bool, got {type(enabled).__name__}")
         self.enabled = enabled
-        self._prev: list = []
 
     def _recreate_cm(self):  # as a decorator: a fresh instance per call (threads, recursion)
         return type(self)(self.enabled)
 
     def __enter__(self):
+        me = threading.get_ident()
         with _lock:
-            self._prev.append(is_batch_invariant())
-            (enable_batch_invariant if self.enabled else disable_batch_invariant)()
+            others = {flags[-1] for thread, flags in _blocks.items() if thread != me}
+            if others and others != {self.enabled}:
+                raise RuntimeError(
+                    f"batch_invariant({self.enabled}): another thread is inside a "
+                    f"batch_invariant({not self.enabled}) block; the mode is process-wide, so "
+                    f"blocks open at the same time must agree")
+            _blocks.setdefault(me, []).append(self.enabled)
+            try:
+                _apply()
+            except BaseException:
+                self._close(me)
+                raise
         return self
 
+    @staticmethod
+    def _close(me):
+        flags = _blocks[me]
+        flags.pop()
+        if not flags:
+            del _blocks[me]
+
     def __exit__(self, *exc):
+        me = threading.get_ident()
         with _lock:
-            (enable_batch_invariant if self._prev.pop() else disable_batch_invariant)()
+            flags = _blocks.get(me)
+            if not flags:
+                raise RuntimeError("batch_invariant: __exit__ without a matching __enter__ in this "
+                                   "thread")
+            self._close(me)
+            _apply()
         return False
 
 

@@ -242,3 +242,42 @@ def test_torch_compile_runs_under_the_mode_but_is_not_covered():
         eager = model(x)
         out = compiled(x)
     assert torch.allclose(out, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_in_two_threads_keep_the_mode_on_until_the_last_closes():
+    """Process-wide mode, blocks in two threads interleaved: A enters, B enters, A leaves (B is still
+    inside: on), B leaves (off). A block asking for the opposite state meanwhile raises."""
+    import threading
+    steps = [threading.Event() for _ in range(4)]
+    seen, errors = [], []
+
+    def thread_b():
+        steps[0].wait()
+        with rl_kernels.batch_invariant():
+            steps[1].set()
+            steps[2].wait()
+            seen.append(("B after A left", rl_kernels.is_batch_invariant()))
+        seen.append(("B left", rl_kernels.is_batch_invariant()))
+        steps[3].set()
+
+    b = threading.Thread(target=thread_b)
+    b.start()
+    with rl_kernels.batch_invariant():
+        steps[0].set()
+        steps[1].wait()
+    try:
+        with rl_kernels.batch_invariant(False):
+            pass
+    except RuntimeError as e:
+        errors.append(str(e))
+    steps[2].set()
+    steps[3].wait()
+    b.join()
+    assert seen == [("B after A left", True), ("B left", False)]
+    assert len(errors) == 1 and "another thread" in errors[0]
+    assert not rl_kernels.is_batch_invariant()
+
+
+def test_exit_without_enter_raises():
+    with pytest.raises(RuntimeError, match="without a matching __enter__"):
+        rl_kernels.batch_invariant().__exit__(None, None, None)
