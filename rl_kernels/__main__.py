@@ -140,14 +140,15 @@ def self_check() -> bool:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # the demo's own options (python -m rl_kernels demo --tokens 8, --help)
+        from .demo import main as demo_main
+        return demo_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m rl_kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", nargs="?", choices=("check", "demo"), default="check",
                         help="check (default): build facts, backends, self-check; demo: rollout vs "
                              "trainer log-probs with and without batch-invariant mode")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .demo import main as demo_main
-        return demo_main()
     print(f"rl_kernels {rl_kernels.__version__}")
     compiled = sorted({backend for _, backend, _ in _C.kernels()}, key=kernel_registry.BACKENDS.index)
     print(f"build: backends compiled = {', '.join(compiled)}"

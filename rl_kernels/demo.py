@@ -130,14 +130,32 @@ def run_case(model, prompts, size, device, patched):
             unpatch(model)
 
 
+_ENV_OPTIONS = (("RL_KERNELS_DEMO_DEVICE", "--device"), ("RL_KERNELS_DEMO_DTYPE", "--dtype"),
+                ("RL_KERNELS_DEMO_TOKENS", "--tokens"))
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_kernels.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
-                        default=os.environ.get("RL_KERNELS_DEMO_DEVICE", "auto"))
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="default: RL_KERNELS_DEMO_DEVICE, else auto")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                        default=os.environ.get("RL_KERNELS_DEMO_DTYPE"))
-    parser.add_argument("--tokens", type=int, default=int(os.environ.get("RL_KERNELS_DEMO_TOKENS", 0)))
-    args = parser.parse_args([] if argv is None else argv)
+                        help="default: RL_KERNELS_DEMO_DTYPE, else bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--tokens", type=_positive_int, default=0,
+                        help="generated tokens per prompt (default: RL_KERNELS_DEMO_TOKENS, else the size's)")
+    # the environment's values go through the same checks, as options before the command line's
+    from_env = [arg for name, option in _ENV_OPTIONS for arg in
+                ((option, os.environ[name]) if os.environ.get(name) else ())]
+    args = parser.parse_args(from_env + ([] if argv is None else list(argv)))
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -128,6 +128,7 @@ class LinearLogp(torch.nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False, *, device=None,
                  dtype=None, backend: str | None = None):
         super().__init__()
+        check_backend("LinearLogp", backend)
         self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size, device=device,
                                                      dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(vocab_size, device=device, dtype=dtype)) \

@@ -638,6 +638,23 @@ def test_self_check_help():
     assert bad.returncode == 2 and "invalid choice: 'chek'" in bad.stderr
 
 
+@pytest.mark.parametrize("args,env,message", [
+    (["--help"], {}, "--tokens TOKENS"),  # the demo's own help, not the self-check's
+    (["--tokens", "-5"], {}, "argument --tokens: -5 is not >= 1"),
+    (["--tokens", "x"], {}, "argument --tokens: 'x' is not an integer"),
+    ([], {"RL_KERNELS_DEMO_DEVICE": "tpu"}, "argument --device: invalid choice: 'tpu'"),
+    ([], {"RL_KERNELS_DEMO_DTYPE": "int8"}, "argument --dtype: invalid choice: 'int8'"),
+    ([], {"RL_KERNELS_DEMO_TOKENS": "abc"}, "argument --tokens: 'abc' is not an integer"),
+])
+def test_demo_options_through_the_package_command(args, env, message):
+    """python -m rl_kernels demo takes the demo's options, and checks the environment's values as it
+    checks them (before building anything)."""
+    result = subprocess.run([sys.executable, "-m", "rl_kernels", "demo", *args], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, **env})
+    assert result.returncode == (0 if args == ["--help"] else 2), result.stderr
+    assert message in result.stdout + result.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # the C sources compile without warnings
 # ------------------------------------------------------------------------------------------------
@@ -847,3 +864,8 @@ def test_meta_operand_error_names_it_without_cpp_frames():
     with pytest.raises(TypeError, match="b: cannot be exported through DLPack") as info:
         rl_kernels.matmul(torch.randn(2, 3), torch.randn(3, 2, device="meta"))
     assert "\n" not in str(info.value) and "frame #" not in str(info.value)
+
+
+def test_linear_logp_module_checks_backend_when_built():
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        rl_kernels.LinearLogp(8, 10, backend="bogus")
