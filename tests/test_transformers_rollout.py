@@ -5,6 +5,9 @@ other batch sizes, orders and paddings (right padding, packing). Under patch(mod
 attention + batch_invariant() + fused RMSNorm) every log-prob and entropy is bitwise equal, and
 strict() finds nothing; without it the same comparison differs, so the test can fail."""
 
+import copy
+import io
+import math
 import subprocess
 import sys
 
@@ -245,6 +248,108 @@ def test_padding_mask_with_a_hole_is_refused():
     mask[1, 3] = 0
     with pytest.raises(ValueError, match="contiguous"), torch.no_grad():
         token_logprobs(model, ids, mask)
+
+
+def test_deepcopy_and_pickle_of_a_patched_model_run_their_own_weights():
+    """A frozen reference model is often copy.deepcopy(policy): the patched forwards must follow
+    the copy (a closure over the original's bound forward would keep running its weights)."""
+    model = patch(tiny_model("qwen3", torch.float32))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+        for p in clone.parameters():
+            p.zero_()
+        assert (clone(ids).logits == 0).all()
+        assert torch.equal(model(ids).logits, expected)
+    unpatch(clone)
+    assert "forward" not in clone.model.norm.__dict__ and is_patched(model)
+    assert model.config._attn_implementation == "rl_kernels"
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert is_patched(loaded) and torch.equal(loaded(ids).logits, expected)
+
+
+def test_a_padding_mask_wider_than_the_ids_is_read_as_transformers_reads_it():
+    """transformers' sdpa / eager masks use the first columns of a mask wider than the keys."""
+    model = tiny_model("qwen3", torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    wide = torch.cat([mask, torch.zeros(2, 1, dtype=mask.dtype)], 1)
+    real = mask.bool()
+    with torch.no_grad():
+        native = model(ids, attention_mask=wide).logits[real]
+        assert torch.equal(native, model(ids, attention_mask=mask).logits[real])
+        patch(model)
+        patched = model(ids, attention_mask=wide).logits[real]
+        assert torch.equal(patched, model(ids, attention_mask=mask).logits[real])
+    assert torch.allclose(patched, native, atol=1e-4)
+
+
+def test_rollout_stops_at_any_of_several_eos_tokens():
+    """generation_config.eos_token_id is a list for Qwen3 / Llama-3."""
+    model = patch(tiny_model("qwen3", torch.float32))
+    batch = prompts(lengths=[10, 20])
+    first = rollout(model, batch, 6, greedy=True).completions
+    eos = [first[0][2], first[1][1]]
+    expected = []
+    for full in first:
+        stops = [i for i, token in enumerate(full) if token in eos]
+        expected.append(full[:stops[0] + 1] if stops else full)
+    assert expected != first
+    for eos_token_id in (eos, tuple(eos), torch.tensor(eos)):
+        result = rollout(model, batch, 6, greedy=True, eos_token_id=eos_token_id)
+        assert result.completions == expected, eos_token_id
+    for bad in (float(eos[0]), [eos[0], 1.5], torch.tensor([[eos[0]]]), "</s>", True):
+        with pytest.raises(TypeError, match="eos_token_id"):
+            rollout(model, batch, 6, greedy=True, eos_token_id=bad)
+
+
+def test_token_ids_must_be_integers_and_tensor_rows_are_taken():
+    model = patch(tiny_model("qwen3", torch.float32))
+    with pytest.raises(TypeError, match="prompts"):
+        rollout(model, [[1.7, 2.2, 3.9]], 2, greedy=True)
+    with pytest.raises(TypeError, match="sequences"):
+        right_pad([[1.5, 2.5], [3]], 0, "cpu")
+    with pytest.raises(TypeError, match="pad_token_id"):
+        right_pad([[1, 2], [3]], 0.5, "cpu")
+    with pytest.raises(TypeError, match="pad_token_id"):
+        rollout(model, [[1, 2]], 2, greedy=True, pad_token_id=None)
+    # a tokenizer's input_ids rows: 1-D integer tensors
+    batch = prompts(lengths=[7, 3])
+    rows = [torch.tensor(batch[0]), torch.tensor(batch[1], dtype=torch.int32)]
+    from_rows = rollout(model, rows, 3, greedy=True)
+    from_lists = rollout(model, batch, 3, greedy=True)
+    assert from_rows.prompts == batch and from_rows.completions == from_lists.completions
+    assert all(torch.equal(a, b) for a, b in zip(from_rows.logprobs, from_lists.logprobs))
+    for pad in (left_pad, right_pad):
+        assert all(torch.equal(a, b) for a, b in zip(pad(rows, 0, "cpu"), pad(batch, 0, "cpu")))
+
+
+def test_arguments_of_the_wrong_type_are_named():
+    model = patch(tiny_model("qwen3", torch.float32))
+    batch = [[5, 6, 7], [8, 9]]
+    for bad in (None, 2.0, True):
+        with pytest.raises(TypeError, match="max_new_tokens"):
+            rollout(model, batch, bad, greedy=True)
+    with pytest.raises(TypeError, match="generator"):
+        rollout(model, batch, 2, generator=5)
+    for bad in (0.0, -1.0, math.inf):  # sampling at temperature 0 divided the logits by 0
+        with pytest.raises(ValueError, match="temperature"):
+            rollout(model, batch, 2, temperature=bad)
+    with pytest.raises(TypeError, match="rms_norm"):
+        patch(tiny_model("qwen3", torch.float32), rms_norm="no")
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, ids.int()), token_logprobs(model, ids))
+        with pytest.raises(TypeError, match="input_ids"):
+            token_logprobs(model, ids.float())
+        for cu in ([0, 3, 5], [0, 5, 3, 7]):
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                token_logprobs(model, ids, cu_seqlens=torch.tensor(cu))
 
 
 def test_import_rl_kernels_does_not_import_transformers():

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
+import operator
 import re
-import types
 import weakref
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..batch_invariant import batch_invariant
 from ..ops.attention import attention
+from ..ops.common import real_number
 from ..ops.linear_logp import linear_logp
 from ..ops.row_ops import rms_norm
 
@@ -64,15 +66,17 @@ ATTN_IMPLEMENTATION = "rl_kernels"
 
 def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
-    """transformers' mask hook for "rl_kernels": the 2-D boolean padding mask [B, kv_length] (its
-    last kv_length columns), or None when the batch has no padding mask. The causal structure is
-    the attention's own (bottom-right aligned), so mask_function is not materialized."""
+    """transformers' mask hook for "rl_kernels": the 2-D boolean padding mask [B, kv_length], or
+    None when the batch has no padding mask. The causal structure is the attention's own (bottom-
+    right aligned), so mask_function is not materialized."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
         raise ValueError(f"rl_kernels attention: expected a 2-D padding mask, got "
                          f"{attention_mask.dim()}-D")
-    return attention_mask[:, -kv_length:] if attention_mask.shape[1] != kv_length else attention_mask
+    # columns kv_offset ... kv_offset + kv_length - 1, the ones transformers' sdpa and eager masks
+    # read when the mask is wider than the keys (a narrower one is refused by the attention)
+    return attention_mask[:, kv_offset:kv_offset + kv_length]
 
 
 class _LastCache:
@@ -235,12 +239,48 @@ def _is_llama_rmsnorm_class(cls) -> bool:
     return _normalized(body) == _normalized(_RMSNORM_BODY)
 
 
-def _rms_norm_forward(self, hidden_states):
-    weight = self.weight
-    if (hidden_states.dtype != weight.dtype or hidden_states.device != weight.device
-            or (hidden_states.is_cuda and hidden_states.dtype == torch.float64)):
-        return type(self).forward(self, hidden_states)  # mixed dtypes: transformers' own code
-    return rms_norm(hidden_states, weight, self.variance_epsilon, round_before_weight=True)
+class _PatchedForward:
+    """The `forward` patch() sets on a module. An object that holds the module, not a closure over
+    its bound forward: copy.deepcopy (which copies functions by reference) and pickle / torch.save
+    then rebind it to the copy, which computes with its own weights."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __setstate__(self, state):
+        register()  # a patched model unpickled in a fresh process finds "rl_kernels" registered
+        self.__dict__.update(state)
+
+
+class _ModeForward(_PatchedForward):
+    """The module's previous forward (its class's, or the one set on the instance before patch())
+    run inside batch_invariant()."""
+
+    def __init__(self, module, previous):
+        super().__init__(module)
+        self.previous = previous
+
+    @property
+    def __wrapped__(self):  # inspect.signature (generate(), Trainer) sees the module's signature
+        if self.previous is not None:
+            return self.previous
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args, **kwargs):
+        with batch_invariant():
+            return self.__wrapped__(*args, **kwargs)
+
+
+class _FusedRMSNormForward(_PatchedForward):
+    """A Llama-style RMSNorm module's forward on the fused rl_kernels.rms_norm."""
+
+    def __call__(self, hidden_states):
+        module = self.module
+        weight = module.weight
+        if (hidden_states.dtype != weight.dtype or hidden_states.device != weight.device
+                or (hidden_states.is_cuda and hidden_states.dtype == torch.float64)):
+            return type(module).forward(module, hidden_states)  # mixed dtypes: transformers' code
+        return rms_norm(hidden_states, weight, module.variance_epsilon, round_before_weight=True)
 
 
 def _body_and_head(model):
@@ -262,16 +302,6 @@ def _cache_keyword(body):
     return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
-def _mode_forward(forward):
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        with batch_invariant():
-            return forward(*args, **kwargs)
-
-    run._rl_kernels_wrapped = True
-    return run
-
-
 def _set_attn_implementation(model, name):
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
@@ -287,9 +317,12 @@ def patch(model, *, rms_norm: bool = True):
     """Switch a loaded transformers causal LM (Qwen3, Llama, Qwen2, Mistral ...) to rl_kernels:
     attention implementation "rl_kernels", forward (of the model and of its decoder ``.model``) run
     inside rl_kernels.batch_invariant(), and with rms_norm=True the Llama-style RMSNorm modules on
-    the fused rl_kernels.rms_norm. Returns the model (patched in place; patching twice is a no-op).
+    the fused rl_kernels.rms_norm. Returns the model (patched in place; patching twice is a no-op;
+    copy.deepcopy and pickle / torch.save give a patched copy that runs its own weights).
     The backward pass runs outside forward(): put loss.backward() inside
     rl_kernels.batch_invariant() too for batch-invariant, deterministic gradients."""
+    if not isinstance(rms_norm, bool):
+        raise TypeError(f"patch: rms_norm must be a bool, got {rms_norm!r}")
     if is_patched(model):
         return model
     register()
@@ -299,14 +332,14 @@ def patch(model, *, rms_norm: bool = True):
     try:
         for module in dict.fromkeys((model, body)):
             previous = module.__dict__.get("forward")
-            module.forward = _mode_forward(module.forward)
+            module.forward = _ModeForward(module, previous)
             state["forwards"].append((module, previous))
         if rms_norm:
             for module in model.modules():
                 if "forward" not in module.__dict__ and hasattr(module, "variance_epsilon") \
                         and isinstance(getattr(module, "weight", None), torch.Tensor) \
                         and _is_llama_rmsnorm_class(type(module)):
-                    module.forward = types.MethodType(_rms_norm_forward, module)
+                    module.forward = _FusedRMSNormForward(module)
                     state["norms"].append(module)
     except BaseException:
         model._rl_kernels_patch = state
@@ -364,18 +397,34 @@ def token_logprobs(model, input_ids, attention_mask=None, *, temperature: float 
     positions counted from each sequence's first real token."""
     _check_head(model)
     body, head = _body_and_head(model)
+    if not isinstance(input_ids, torch.Tensor) or not _is_integer_dtype(input_ids.dtype):
+        raise TypeError(f"token_logprobs: input_ids must be an integer tensor, got "
+                        f"{_describe(input_ids)}")
     if input_ids.dim() != 2:
         raise ValueError(f"token_logprobs: input_ids must be [B, T], got {tuple(input_ids.shape)}")
+    input_ids = input_ids.long()  # linear_logp takes int64 targets (a no-op for int64 ids)
     kwargs = {}
     valid = None
     if cu_seqlens is not None:
         if input_ids.shape[0] != 1 or attention_mask is not None:
             raise ValueError("token_logprobs: packed input (cu_seqlens) is [1, total] without an "
                              "attention_mask")
-        cu = torch.as_tensor(cu_seqlens, device=input_ids.device).to(torch.int32)
-        lengths = (cu[1:] - cu[:-1]).long()
+        cu = torch.as_tensor(cu_seqlens, device=input_ids.device)
         total = input_ids.shape[1]
-        longest = int(lengths.max()) if lengths.numel() else 0
+        if not _is_integer_dtype(cu.dtype):
+            raise TypeError(f"token_logprobs: cu_seqlens must be integers, got "
+                            f"{_describe(cu_seqlens)}")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"token_logprobs: cu_seqlens must be 1-D [n + 1], got "
+                             f"{_describe(cu_seqlens)}")
+        cu = cu.to(torch.int32)
+        lengths = (cu[1:] - cu[:-1]).long()
+        # one host sync for the checks and the longest length
+        first, last, shortest, longest = torch.stack(
+            [cu[0].long(), cu[-1].long(), lengths.min(), lengths.max()]).tolist()
+        if first != 0 or last != total or shortest < 0:
+            raise ValueError(f"token_logprobs: cu_seqlens must rise from 0 to input_ids.shape[1] = "
+                             f"{total}, got {_describe(cu_seqlens)}")
         if position_ids is None:
             starts = torch.repeat_interleave(cu[:-1].long(), lengths, output_size=total)
             position_ids = (torch.arange(total, device=input_ids.device) - starts)[None]
@@ -413,37 +462,104 @@ class Rollout:
 
 
 def left_pad(sequences, pad_token_id, device):
-    """[B, T] token ids and attention mask of lists of token ids, padded on the left."""
-    return _pad(sequences, pad_token_id, device, left=True)
+    """[B, T] token ids and attention mask of sequences (lists of token ids or 1-D integer
+    tensors), padded on the left."""
+    return _pad(_token_rows(sequences, "left_pad", "sequences"),
+                _integer(pad_token_id, "left_pad", "pad_token_id"), device, left=True)
 
 
 def right_pad(sequences, pad_token_id, device):
-    """[B, T] token ids and attention mask of lists of token ids, padded on the right."""
-    return _pad(sequences, pad_token_id, device, left=False)
+    """[B, T] token ids and attention mask of sequences (lists of token ids or 1-D integer
+    tensors), padded on the right."""
+    return _pad(_token_rows(sequences, "right_pad", "sequences"),
+                _integer(pad_token_id, "right_pad", "pad_token_id"), device, left=False)
 
 
-def _pad(sequences, pad_token_id, device, left):
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        if seq:
-            cols = slice(width - len(seq), width) if left else slice(0, len(seq))
-            ids[b, cols] = torch.as_tensor(seq, dtype=torch.long)
+def _pad(rows, pad_token_id, device, left):
+    width = max((len(row) for row in rows), default=0)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        if len(row):
+            cols = slice(width - len(row), width) if left else slice(0, len(row))
+            ids[b, cols] = row
             mask[b, cols] = 1
     return ids.to(device), mask.to(device)
 
 
+def _is_integer_dtype(dtype):
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _describe(value):
+    return f"{type(value).__name__} {value!r:.80}"
+
+
+def _integer(value, caller, name):
+    """value (an int, a NumPy integer, an integer tensor of one element) as an int; floats, bools
+    and None are refused rather than truncated (operator.index takes bools: refused first)."""
+    if not isinstance(value, bool) and not (
+            isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{caller}: {name} must be an integer, got {_describe(value)}")
+
+
+def _token_rows(sequences, caller, name):
+    """Sequences of token ids (lists of ints or 1-D integer tensors, e.g. a tokenizer's input_ids
+    rows) as 1-D int64 CPU tensors; float ids are refused rather than truncated."""
+    if isinstance(sequences, (torch.Tensor, str, bytes)) or not hasattr(sequences, "__iter__"):
+        raise TypeError(f"{caller}: {name} must be a list of token-id lists or 1-D integer "
+                        f"tensors, got {_describe(sequences)}")
+    rows = []
+    for b, seq in enumerate(sequences):
+        try:
+            row = torch.as_tensor(seq)
+        except (TypeError, ValueError, RuntimeError):
+            row = None
+        if row is None or row.dim() != 1 or (row.numel() and not _is_integer_dtype(row.dtype)):
+            raise TypeError(f"{caller}: {name}[{b}] must be a list of int token ids or a 1-D "
+                            f"integer tensor, got {_describe(seq)}")
+        rows.append(row.to("cpu", torch.long))
+    return rows
+
+
+def _eos_ids(eos_token_id):
+    """rollout's eos_token_id as a set of ints: None, an int, a list / tuple of ints or an integer
+    tensor (a Qwen3 / Llama-3 generation_config has several), as generate() takes."""
+    if eos_token_id is None:
+        return set()
+    try:
+        if isinstance(eos_token_id, torch.Tensor):
+            if eos_token_id.dim() > 1 or not _is_integer_dtype(eos_token_id.dtype):
+                raise TypeError
+            values = eos_token_id.reshape(-1).tolist()
+        else:
+            values = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+        ids = {_integer(value, "rollout", "eos_token_id") for value in values}
+    except TypeError:
+        raise TypeError(f"rollout: eos_token_id must be an int, a list / tuple of ints or a 1-D "
+                        f"integer tensor, got {_describe(eos_token_id)}") from None
+    if not ids:
+        raise ValueError("rollout: eos_token_id is empty (pass None for no eos token)")
+    return ids
+
+
 @torch.no_grad()
 def rollout(model, prompts, max_new_tokens: int, *, temperature: float = 1.0, greedy: bool = False,
-            generator: torch.Generator | None = None, eos_token_id: int | None = None,
-            pad_token_id: int = 0, check=None) -> Rollout:
-    """Generate like an RL rollout engine: the prompts (lists of token ids, any lengths) left-padded
-    into one batch, one prefill, then token-by-token decode through model(...) calls with a
-    transformers DynamicCache. Each step samples (softmax of logits / temperature, with
-    `generator`) or takes the argmax (greedy), and records the token's log-prob and entropy at
-    that temperature from the step's last hidden state through rl_kernels.linear_logp -- the op
-    token_logprobs() uses, so a patched model gives the trainer the same bits.
+            generator: torch.Generator | None = None,
+            eos_token_id: int | list[int] | torch.Tensor | None = None, pad_token_id: int = 0,
+            check=None) -> Rollout:
+    """Generate like an RL rollout engine: the prompts (lists of token ids or 1-D integer tensors,
+    any lengths) left-padded into one batch, one prefill, then token-by-token decode through
+    model(...) calls with a transformers DynamicCache. Each step samples (softmax of logits /
+    temperature, with `generator`) or takes the argmax (greedy), and records the token's log-prob
+    and entropy at that temperature from the step's last hidden state through
+    rl_kernels.linear_logp -- the op token_logprobs() uses, so a patched model gives the trainer
+    the same bits. A sequence stops after any of eos_token_id (an int, a list / tuple of ints or
+    a 1-D integer tensor, as generation_config.eos_token_id may be).
 
     check: a context-manager factory (e.g. rl_kernels.strict) entered around every model call and
     log-prob computation (not around the sampling, which draws random numbers)."""
@@ -459,16 +575,25 @@ def rollout(model, prompts, max_new_tokens: int, *, temperature: float = 1.0, gr
 
 def _rollout(model, prompts, max_new_tokens, temperature, greedy, generator, eos_token_id,
              pad_token_id, context, cache_class):
-    if not prompts or any(len(p) == 0 for p in prompts):
+    rows = _token_rows(prompts, "rollout", "prompts")
+    if not rows or any(len(row) == 0 for row in rows):
         raise ValueError("rollout: give at least one prompt, each of at least one token")
+    max_new_tokens = _integer(max_new_tokens, "rollout", "max_new_tokens")
     if max_new_tokens < 1:
         raise ValueError(f"rollout: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"rollout: generator must be a torch.Generator or None, got "
+                        f"{_describe(generator)}")
+    temperature = real_number("rollout", "temperature", temperature)
+    if not (math.isfinite(temperature) and temperature > 0):  # (linear_logp's rule, before the prefill)
+        raise ValueError(f"rollout: temperature must be finite and > 0, got {temperature}")
+    eos_ids = _eos_ids(eos_token_id)
     body, head = _body_and_head(model)
     device = head.weight.device
-    ids, mask = left_pad(prompts, pad_token_id, device)
+    ids, mask = _pad(rows, _integer(pad_token_id, "rollout", "pad_token_id"), device, left=True)
     positions = position_ids_from_mask(mask)
     cache_kwargs = {_cache_keyword(body): cache_class(config=model.config)}
-    batch = len(prompts)
+    batch = len(rows)
     completions = [[] for _ in range(batch)]
     logps, entropies = [[] for _ in range(batch)], [[] for _ in range(batch)]
     done = [False] * batch
@@ -493,7 +618,7 @@ def _rollout(model, prompts, max_new_tokens, temperature, greedy, generator, eos
                 completions[b].append(token_list[b])
                 logps[b].append(logp_list[b])  # fp32 -> Python float -> fp32 is exact
                 entropies[b].append(entropy_list[b])
-                done[b] = eos_token_id is not None and token_list[b] == eos_token_id
+                done[b] = token_list[b] in eos_ids
         if step == max_new_tokens - 1 or all(done):
             break
         mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
@@ -502,7 +627,7 @@ def _rollout(model, prompts, max_new_tokens, temperature, greedy, generator, eos
             hidden = body(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
                           use_cache=True, **cache_kwargs).last_hidden_state[:, -1]
     as_tensor = functools.partial(torch.tensor, dtype=torch.float32)
-    return Rollout([list(p) for p in prompts], completions, [as_tensor(x) for x in logps],
+    return Rollout([row.tolist() for row in rows], completions, [as_tensor(x) for x in logps],
                    [as_tensor(x) for x in entropies])
 
 
