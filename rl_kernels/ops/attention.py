@@ -117,10 +117,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = _scale("attention_with_kvcache", softmax_scale, q.shape[-1])
     causal = _check_bool("attention_with_kvcache", "causal", causal)
     return_lse = _check_bool("attention_with_kvcache", "return_lse", return_lse)
-    # everything that can refuse the call is checked before the cache is written
     backend = backend_arg("attention_with_kvcache", backend)
-    backend_and_stream("attention", q.device, backend)  # a backend that cannot run on q's device
-    BAD_RANGE.raise_if_set()  # an earlier call's bad range, which _forward_impl would raise
     cached = _cache_seqlens(cache_seqlens, batch, q.device)
     if (k_new is None) != (v_new is None):
         raise ValueError("attention_with_kvcache(): give both k_new and v_new (or neither)")
@@ -135,6 +132,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if k_new.shape != v_new.shape:
             raise ValueError("attention_with_kvcache(): k_new and v_new differ in shape")
         t_new = k_new.shape[1]
+        # what _forward_impl would refuse the call for, checked before the cache is written: a
+        # backend that cannot run on q's device, an earlier call's bad range
+        backend_and_stream("attention", q.device, backend)
+        BAD_RANGE.raise_if_set()
     if type(cached) is int:
         if not 0 <= cached <= t_max - t_new:
             raise ValueError(f"attention_with_kvcache(): cache_seqlens {cached} is outside the cache "
